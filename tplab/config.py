@@ -1,0 +1,79 @@
+"""Checkpoint and engine settings, validated up front so that bad input fails with a message
+that says what to change, before any rank starts."""
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tplab.layers.linear import check_heads_divisible, valid_tp_sizes
+from tplab.layers.rotary import check_rope_supported
+from tplab.loader import checkpoint_files
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def load_qwen2_config(model_dir):
+    """The checkpoint's ``Qwen2Config``, after checking the folder holds a Qwen2 safetensors checkpoint."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    checkpoint_files(model_dir)  # folder exists and has safetensors
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type != "qwen2":
+        raise ValueError(f"{config_file} has model_type={model_type!r}; tplab runs Qwen2 checkpoints "
+                         "(model_type 'qwen2', e.g. Qwen2.5-0.5B-Instruct)")
+    config = AutoConfig.from_pretrained(model_dir)
+    check_rope_supported(config)
+    if getattr(config, "use_sliding_window", False):
+        raise NotImplementedError("use_sliding_window=True is not implemented in tplab; set it to false")
+    return config
+
+
+def check_tp_size(config, tp_size: int) -> None:
+    """A TP size must split the query heads, the intermediate size, and the KV heads (or replicate them)."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool):
+        raise ValueError(f"tensor_parallel_size must be an int, got {tp_size!r}")
+    check_heads_divisible(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    if config.intermediate_size % tp_size:
+        sizes = valid_tp_sizes(config.num_attention_heads, config.num_key_value_heads, config.intermediate_size)
+        raise ValueError(f"tensor_parallel_size={tp_size} does not work: intermediate_size "
+                         f"{config.intermediate_size} is not divisible by {tp_size}. TP sizes that work: {sizes}")
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"``/a torch dtype, or ``"auto"`` for the checkpoint's own."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype == "auto":
+        own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        return own if isinstance(own, torch.dtype) else DTYPES.get(str(own), torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """What ``LLM(...)`` was asked for, checked against the checkpoint. Sent to every rank."""
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    seed: int = 0
+    bugs: tuple[str, ...] = ()
+    device: str | None = None          # None: cuda when the backend is nccl, else cpu
+    hf_config: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.model = str(self.model)
+        self.hf_config = self.hf_config or load_qwen2_config(self.model)
+        check_tp_size(self.hf_config, self.tensor_parallel_size)
+        self.torch_dtype = resolve_dtype(self.dtype, self.hf_config)
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        from tplab import bugs
+        self.bugs = tuple(bugs.check_names(self.bugs))

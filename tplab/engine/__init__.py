@@ -1,0 +1,1 @@
+"""The serving engine: sequences, sampling, the runner, and the user-facing ``LLM``."""

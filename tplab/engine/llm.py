@@ -1,0 +1,152 @@
+"""``LLM``: the user-facing engine, as in vLLM's offline API.
+
+TP 1 runs in this process. TP > 1 starts ``tensor_parallel_size`` rank processes
+with ``tplab.dist.RankGroup`` and runs the same engine in each; this process only
+tokenizes, checks input and collects rank 0's answer. Under ``torchrun`` (a
+process group already initialised) every rank runs the engine in-process.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tplab.config import EngineConfig
+from tplab.engine import worker
+from tplab.engine.sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result."""
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]       # generated tokens, prompt excluded
+    text: str | None           # decoded generated tokens, where the checkpoint has a tokenizer
+    logprobs: list[float]      # log-softmax of each generated token under the model
+    finish_reason: str         # "stop" (end-of-sequence token) or "length"
+
+
+def load_tokenizer(model_dir):
+    """The checkpoint's tokenizer, or None when the folder has none."""
+    folder = Path(model_dir)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)
+
+
+class LLM:
+    """A tensor-parallel Qwen2 engine over a local HF checkpoint folder.
+
+    ``LLM(model_dir, tensor_parallel_size=2, dtype="float32", seed=0)``; then
+    ``generate(prompts, SamplingParams(...))``; ``shutdown()`` (or use ``with``).
+    """
+
+    def __init__(self, model, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0,
+                 bugs=(), backend: str | None = None, timeout: float = 600.0, device: str | None = None):
+        self.config = EngineConfig(str(model), tensor_parallel_size, dtype, seed, tuple(bugs or ()), device)
+        self.tokenizer = load_tokenizer(model)
+        self.timeout = timeout
+        self._group = self._engine = None
+        tp = tensor_parallel_size
+        if dist.is_initialized():                       # torchrun: this process is one of the ranks
+            if dist.get_world_size() != tp:
+                raise ValueError(f"tensor_parallel_size={tp} but the process group has {dist.get_world_size()} "
+                                 f"ranks: pass tensor_parallel_size={dist.get_world_size()} under torchrun")
+            worker.start_engine(self.config)
+            self._engine = worker
+        elif tp == 1:                                   # one rank: this process
+            if self.config.device is None:
+                self.config.device = "cuda" if torch.cuda.is_available() else "cpu"
+            worker.start_engine(self.config)
+            self._engine = worker
+        else:
+            from tplab.dist import RankGroup
+            self._group = RankGroup(tp, backend=backend, timeout=timeout)
+            try:
+                self.param_bytes_per_rank = self._group.run(worker.start_engine, (self.config,), timeout=timeout)
+            except BaseException:
+                self.shutdown()
+                raise
+
+    @property
+    def backend(self) -> str:
+        """The collective backend the ranks use ("nccl" or "gloo"); "none" at TP 1 in-process."""
+        if self._group is not None:
+            return self._group.backend
+        return dist.get_backend() if dist.is_initialized() else "none"
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):
+        """Continue each prompt (strings, or lists of token ids); one ``RequestOutput`` per prompt, in order."""
+        texts, token_lists = self._tokenize(prompts)
+        params = self._params_for(sampling_params, len(token_lists))
+        self._check_lengths(token_lists, params)
+        if self._engine is None and self._group is None:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        if self._group is not None:
+            results = self._group.run(worker.generate, (token_lists, params), timeout=self.timeout)[0]
+        else:
+            results = worker.generate(token_lists, params)
+        return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
+                for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
+
+    def shutdown(self) -> None:
+        """Stop the ranks (or drop the in-process engine) and free their memory."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        if self._engine is not None:
+            worker.stop_engine()
+            self._engine = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def _tokenize(self, prompts):
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or of lists of token ids")
+        texts, token_lists = [], []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"{self.config.model} has no tokenizer: pass prompts as lists of token ids")
+                texts.append(p)
+                token_lists.append(self.tokenizer.encode(p))
+            else:
+                texts.append(None)
+                token_lists.append([int(t) for t in p])
+            if not token_lists[-1]:
+                raise ValueError(f"prompt {i} is empty: give at least one token")
+        vocab = self.config.hf_config.vocab_size
+        for i, ids in enumerate(token_lists):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+        return texts, token_lists
+
+    @staticmethod
+    def _params_for(sampling_params, n):
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} SamplingParams for {n} prompts: give one, or one per prompt")
+        return list(sampling_params)
+
+    def _check_lengths(self, token_lists, params):
+        limit = self.config.hf_config.max_position_embeddings
+        for i, (ids, p) in enumerate(zip(token_lists, params)):
+            if len(ids) + p.max_tokens > limit:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens + max_tokens {p.max_tokens} = "
+                                 f"{len(ids) + p.max_tokens} > max_position_embeddings {limit}: "
+                                 "shorten the prompt or lower max_tokens")
+
+    def _decode(self, ids):
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)

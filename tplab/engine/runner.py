@@ -1,0 +1,49 @@
+"""One rank's model runner: turns a list of sequences into one forward pass and a sampled token each."""
+import torch
+
+from tplab.cache.kv_cache import allocate_kv_cache
+from tplab.engine.sampling import sample
+from tplab.engine.sequence import Sequence
+from tplab.layers.attention import build_metadata
+
+
+def token_positions(seq: Sequence) -> list[int]:
+    """Positions of the tokens a step feeds for ``seq``: their index in the sequence."""
+    return list(range(seq.num_cached_tokens, len(seq)))
+
+
+class ModelRunner:
+    """Owns the model shard and its KV cache on one rank; ``step`` runs prefill and decode alike."""
+
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, positions_fn=token_positions):
+        self.model, self.device, self.dtype = model, device, dtype
+        self.positions_fn = positions_fn
+        attn = model.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.kv_caches, self.block_size = [], 0
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """(Re)allocate the cache; kept when the current one already has this geometry."""
+        old = self.kv_caches[0][0].shape[:2] if self.kv_caches else None
+        if old != (num_blocks, block_size):
+            self.kv_caches = []  # free the old cache before allocating the new one
+            self.kv_caches = allocate_kv_cache(len(self.model.model.layers), num_blocks, block_size,
+                                               self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence]) -> list[tuple[int, float]]:
+        """Feed each sequence's uncached tokens, sample one token per sequence: ``[(token, logprob)]``."""
+        new_tokens = [seq.new_token_ids() for seq in seqs]
+        query_lens = [len(t) for t in new_tokens]
+        meta = build_metadata(query_lens, [len(s) for s in seqs], [s.block_table for s in seqs],
+                              self.block_size, self.device,
+                              positions=[p for s in seqs for p in self.positions_fn(s)])
+        input_ids = torch.tensor([t for ts in new_tokens for t in ts], device=self.device)   # (T,)
+        hidden = self.model(input_ids, self.kv_caches, meta)                                  # (T, E)
+        last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1                     # (B,)
+        logits = self.model.compute_logits(hidden[last])                                     # (B, V)
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for seq in seqs:
+            seq.num_cached_tokens = len(seq)
+        return list(zip(tokens.tolist(), logprobs.tolist()))

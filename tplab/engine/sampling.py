@@ -1,0 +1,59 @@
+"""Sampling parameters and the sampler. Every rank holds the same logits and the same
+seeded generators, so every rank picks the same token without a broadcast."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens, as in vLLM. ``temperature=0`` is greedy."""
+    temperature: float = 0.0
+    top_k: int = -1             # keep the k most likely tokens; -1 keeps all
+    top_p: float = 1.0          # keep the smallest set with this much probability mass
+    max_tokens: int = 16        # tokens to generate per prompt
+    ignore_eos: bool = False    # keep going past the end-of-sequence token
+    seed: int | None = None     # per-request seed; None uses the LLM's seed and the prompt's index
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (all tokens) or a positive int, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """(V,) logits / temperature with everything outside top-k and top-p set to -inf."""
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
+    """logits ``(B, V)`` -> next tokens ``(B,)`` and their logprobs under the model ``(B,)``."""
+    logits = logits.float()
+    logprobs = logits.log_softmax(-1)
+    tokens = logits.argmax(-1)
+    for b, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            probs = _filtered(logits[b], p).softmax(-1)
+            tokens[b] = torch.multinomial(probs.cpu(), 1, generator=g).item()
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

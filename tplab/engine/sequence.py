@@ -1,0 +1,43 @@
+"""A request as the engine tracks it: its tokens, how many of them are in the KV cache, where."""
+from dataclasses import dataclass, field
+
+import torch
+
+from tplab.engine.sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    token_ids: list[int]                 # prompt, then generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    num_cached_tokens: int = 0           # tokens whose K/V are already in the cache
+    block_table: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None     # "length" or "stop" once finished
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def new_token_ids(self) -> list[int]:
+        """Tokens to run through the model this step: those not yet in the cache."""
+        return self.token_ids[self.num_cached_tokens:]
+
+    def append(self, token: int, logprob: float, eos_ids: frozenset[int], max_model_len: int) -> None:
+        """Record a sampled token; mark the sequence finished when it should stop."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        if not self.params.ignore_eos and token in eos_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_token_ids) >= self.params.max_tokens or len(self) >= max_model_len:
+            self.finish_reason = "length"

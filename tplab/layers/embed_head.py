@@ -1,0 +1,64 @@
+"""Vocabulary-parallel embedding and LM head: the vocab (dim 0 of both weights) is split over ranks.
+
+A vocab that does not divide by tp_size is padded up to the next multiple; the
+padding rows are zeros, their logits are dropped before anyone sees them.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tplab.layers.weights import copy_into, expect_shape
+from tplab.parallel import all_gather, all_reduce, tp_rank_and_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows ``[r * per_rank, (r + 1) * per_rank)`` of the padded embedding table.
+
+    Each rank looks up the ids that fall in its rows, writes zeros for the others,
+    and an all-reduce sums the ranks' partial lookups into the full embedding.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank=None, tp_size=None):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.per_rank = -(-num_embeddings // self.tp_size)          # ceil: the padded vocab / tp_size
+        self.vocab_start = self.tp_rank * self.per_rank
+        self.num_real_rows = max(0, min(self.per_rank, num_embeddings - self.vocab_start))
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        expect_shape(loaded, (self.num_embeddings, self.embedding_dim))
+        param.data.zero_()  # padding rows stay zero
+        n = self.num_real_rows
+        copy_into(param.data[:n], loaded.narrow(0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.per_rank)               # ids this rank owns
+        y = F.embedding(local.masked_fill(~mine, 0), self.weight)   # (T, hidden)
+        y = y.masked_fill(~mine.unsqueeze(-1), 0.0)
+        return all_reduce(y, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """``logits = hidden @ W.T`` with W split by vocab rows; an all-gather assembles the full vocab.
+
+    Every rank gets the full logits, so every rank can sample the same token from
+    the same seeded generator with no extra broadcast.
+    """
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's weight (``tie_word_embeddings``): both are split the same way."""
+        assert embedding.per_rank == self.per_rank and embedding.vocab_start == self.vocab_start
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor, gather_output: bool = True) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)                       # (N, per_rank)
+        if not gather_output:
+            return logits
+        logits = all_gather(logits, self.tp_size, dim=-1)           # (N, per_rank * tp_size)
+        return logits[..., : self.num_embeddings]

@@ -1,0 +1,63 @@
+"""Rotary position embedding (RoPE), computed the way HF Qwen2 computes it.
+
+Shapes, with T tokens packed from all sequences of a step:
+    positions: (T,)            the absolute position of each token in its sequence
+    cos, sin:  (T, D)          D = head_dim; the two halves of the last dim are equal
+    q:         (T, H, D)       rotated per head; cos/sin broadcast over H via (T, 1, D)
+"""
+import torch
+from torch import nn
+
+
+def rope_settings(config) -> tuple[float, str]:
+    """``(rope_theta, rope_type)`` from a Qwen2 config of transformers 4.x or 5.x."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    return float(theta), rope_type
+
+
+def check_rope_supported(config) -> None:
+    """Refuse a rope scaling type we do not implement, instead of running with the wrong positions."""
+    _, rope_type = rope_settings(config)
+    if rope_type != "default":
+        raise NotImplementedError(
+            f"rope_type={rope_type!r} is not implemented in tplab (only 'default' RoPE is). "
+            "Remove rope scaling from the config, or use a checkpoint without it.")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate q ``(T, H, D)`` and k ``(T, H_kv, D)`` by cos/sin ``(T, D)``.
+
+    cos/sin get a head axis, ``(T, 1, D)``, so they broadcast over heads and line
+    up with tokens. (HF keeps q as ``(B, H, T, D)`` and inserts the axis at dim 1.)
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    """Tabulates cos/sin for every position up to ``max_position`` once; lookups are an index."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, apply_fn=apply_rotary):
+        super().__init__()
+        self.head_dim = head_dim
+        self.apply_fn = apply_fn
+        # Same float ops as HF (arange in float, positions * inv_freq, cat), so fp32 matches bit for bit.
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)                     # (max_position, D)
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos_cached[positions].to(q.dtype)                # (T, D)
+        sin = self.sin_cached[positions].to(q.dtype)
+        return self.apply_fn(q, k, cos, sin)

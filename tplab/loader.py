@@ -1,0 +1,115 @@
+"""Load a Hugging Face safetensors checkpoint into one rank's shard of the model.
+
+Each rank opens the files itself and reads only the rows/columns its parameters
+hold (``safe_open(...).get_slice``): no rank ever materialises the full state
+dict. Every checkpoint tensor must land in a parameter and every parameter must be
+filled, with the shape the config implies; anything else is an error naming the
+tensor and the file.
+"""
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tplab.layers.weights import WeightShapeError, copy_into, expect_shape
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: missing, unexpected or unreadable tensors."""
+
+
+class LazySlice:
+    """A tensor in a safetensors file that is read only when ``materialize()`` is called,
+    and then only the part ``narrow`` selected."""
+
+    def __init__(self, file_slice, name: str, index: tuple[slice, ...] | None = None):
+        self._slice, self.name = file_slice, name
+        self._index = index or tuple(slice(0, n) for n in file_slice.get_shape())
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self._index)
+
+    def narrow(self, dim: int, start: int, length: int) -> "LazySlice":
+        dim = dim % len(self._index)
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise WeightShapeError(f"{self.name}: cannot take [{start}:{start + length}] of dim {dim} "
+                                   f"from shape {self.shape}")
+        index = list(self._index)
+        base = index[dim].start
+        index[dim] = slice(base + start, base + start + length)
+        return LazySlice(self._slice, self.name, tuple(index))
+
+    def materialize(self) -> torch.Tensor:
+        return self._slice[self._index]
+
+
+def checkpoint_files(model_dir) -> list[Path]:
+    """The ``*.safetensors`` files of a checkpoint folder, or an error that says what is missing."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {model_dir} does not exist")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}: tplab reads safetensors checkpoints only "
+                                "(convert with model.save_pretrained(dir, safe_serialization=True))")
+    return files
+
+
+def default_weight_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """Replicated parameters (RMSNorm weights): every rank takes the whole tensor."""
+    expect_shape(loaded, param.shape)
+    copy_into(param.data, loaded)
+
+
+def expected_checkpoint_names(model: nn.Module) -> set[str]:
+    """The tensor names an HF checkpoint must have for ``model``: fused parameters unpacked."""
+    names = set()
+    for name, _ in model.named_parameters():  # a tied lm_head shares embed_tokens and is not listed
+        packed = [(src, dst) for src, (dst, _) in model.packed_modules_mapping.items() if f".{dst}." in name]
+        names.update(name.replace(f".{dst}.", f".{src}.") for src, dst in packed) if packed else names.add(name)
+    return names
+
+
+def _target(model: nn.Module, name: str) -> tuple[str, object]:
+    """Checkpoint name -> (parameter name, shard id) through ``packed_modules_mapping``."""
+    for src, (dst, shard_id) in model.packed_modules_mapping.items():
+        if f".{src}." in name:
+            return name.replace(f".{src}.", f".{dst}."), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()) -> set[str]:
+    """Fill ``model``'s parameters from the checkpoint in ``model_dir``; returns the tensor names read.
+
+    ``skip`` names checkpoint tensors to ignore (a tied ``lm_head.weight`` that was saved anyway).
+    """
+    params = dict(model.named_parameters())
+    expected, seen = expected_checkpoint_names(model), set()
+    for path in checkpoint_files(model_dir):
+        try:
+            handle = safe_open(path, framework="pt")
+        except Exception as e:  # a truncated or corrupt file
+            raise CheckpointError(f"cannot read {path}: {e}") from None
+        with handle as f:
+            for name in f.keys():
+                if name in skip:
+                    continue
+                param_name, shard_id = _target(model, name)
+                if param_name not in params:
+                    raise CheckpointError(f"unexpected tensor {name} in {path.name}: the model built from "
+                                          "config.json has no such parameter (does config.json match the weights?)")
+                param = params[param_name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    loader(param, LazySlice(f.get_slice(name), name), shard_id)
+                except WeightShapeError as e:
+                    raise WeightShapeError(f"{name} in {path.name}: {e} (does config.json match the weights?)") \
+                        from None
+                seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s) the model needs: {shown}")
+    return seen

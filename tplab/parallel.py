@@ -1,0 +1,56 @@
+"""Tensor-parallel bookkeeping: who am I, how many of us, and the two collectives TP needs.
+
+Layers take ``tp_rank``/``tp_size`` explicitly so that one process can build every
+rank's shard (tests and notebooks do this). When they are left as ``None`` they come
+from the default process group, as they would inside a rank started by
+``tplab.launch`` or ``torchrun``.
+"""
+import torch
+import torch.distributed as dist
+
+
+def tp_rank_and_size(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
+    """Fill in whichever of ``tp_rank``/``tp_size`` is None from the process group (or 0/1 without one)."""
+    group_rank, group_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    tp_rank = group_rank if tp_rank is None else tp_rank
+    tp_size = group_size if tp_size is None else tp_size
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+    return tp_rank, tp_size
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    """``numerator // denominator``, refusing to silently drop a remainder."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} {numerator} is not divisible by tp_size {denominator}")
+    return numerator // denominator
+
+
+def _check_group(tp_size: int) -> None:
+    # A layer built for tp_size > 1 in a process without a group would otherwise
+    # return a partial sum that looks like a real activation.
+    if not dist.is_initialized() or dist.get_world_size() != tp_size:
+        have = dist.get_world_size() if dist.is_initialized() else "no process group"
+        raise RuntimeError(
+            f"a collective over tp_size={tp_size} ranks needs a process group of that size (found {have}); "
+            "run inside tplab.launch / torchrun, or build the layer with reduce_results=False / "
+            "gather_output=False and combine the shards yourself")
+
+
+def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sum ``x`` over the TP ranks in place (no-op at tp_size 1)."""
+    if tp_size == 1:
+        return x
+    _check_group(tp_size)
+    dist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order (identity at tp_size 1)."""
+    if tp_size == 1:
+        return x
+    _check_group(tp_size)
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
