@@ -34,14 +34,17 @@ class VocabParallelEmbedding(nn.Module):
         n = self.num_real_rows
         copy_into(param.data[:n], loaded.narrow(0, self.vocab_start, n))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def lookup_local(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial lookup ``(T, hidden)``: its own rows, zeros for ids it does not hold."""
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.per_rank)               # ids this rank owns
         y = F.embedding(local.masked_fill(~mine, 0), self.weight)   # (T, hidden)
-        y = y.masked_fill(~mine.unsqueeze(-1), 0.0)
-        return all_reduce(y, self.tp_size)
+        return y.masked_fill(~mine.unsqueeze(-1), 0.0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.lookup_local(input_ids), self.tp_size)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
