@@ -1,0 +1,314 @@
+"""tplab.dist: rank processes with a real process group, driven from the parent (gloo on CPU)."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tplab.dist import RankError, RankGroup, launch, pick_backend, rank_device, world_info
+
+
+def api_example_work(x):
+    import torch.distributed as dist
+    t = torch.full((2,), float(dist.get_rank() + 1)) * x
+    dist.all_reduce(t)
+    return t
+
+
+def live_children() -> set[int]:
+    # Ranks are joined before run()/close() return, so there is nothing to wait for. Left out:
+    # multiprocessing's resource tracker, a singleton that spawn starts once per parent and
+    # that exits with it.
+    return {c.pid for c in psutil.Process().children(recursive=True)
+            if "multiprocessing.resource_tracker" not in " ".join(c.cmdline())}
+
+
+@pytest.fixture
+def no_new_children():
+    """Fails the test if it leaves any process behind (the shared group2 ranks may be running)."""
+    before = live_children()
+    yield
+    assert live_children() <= before
+
+
+@pytest.fixture(scope="module")
+def group2():
+    with RankGroup(2, timeout=60) as group:
+        yield group
+    assert live_children() == set()
+
+
+def test_api_example_returns_summed_tensors_per_rank_in_order(no_new_children):
+    results = launch(api_example_work, world_size=2, args=(10.0,), backend=None, timeout=120)
+    assert len(results) == 2
+    for t in results:
+        assert torch.equal(t, torch.tensor([30.0, 30.0]))
+        assert not t.is_shared()  # pickled by value, not through shared memory
+
+
+def test_closure_defined_in_the_test_runs_in_every_rank(group2):
+    offset = 100
+
+    def local_work(base, scale=1):
+        rank, size = world_info()
+        return (base + rank + offset) * scale, size
+
+    assert group2.run(local_work, args=(1,), kwargs={"scale": 2}) == [(202, 2), (204, 2)]
+
+
+def test_results_come_back_on_cpu_inside_nested_containers(group2):
+    def nested():
+        t = torch.arange(6.0).view(2, 3)[1]  # a view into a bigger storage
+        return {"a": [t, (t * 2,)], "b": rank_device().type}
+
+    for out in group2.run(nested):
+        assert out["b"] == "cpu"
+        assert torch.equal(out["a"][0], torch.tensor([3.0, 4.0, 5.0]))
+        assert torch.equal(out["a"][1][0], torch.tensor([6.0, 8.0, 10.0]))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_launch_all_reduce_returns_per_rank_results_in_order(world_size, no_new_children):
+    def work():
+        import torch.distributed as dist
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return dist.get_rank(), dist.get_world_size(), dist.get_backend(), t.item()
+
+    total = float(sum(range(world_size)))
+    assert launch(work, world_size, timeout=60) == [(r, world_size, "gloo", total) for r in range(world_size)]
+
+
+def test_each_rank_gets_its_share_of_cores_and_one_interop_thread(group2):
+    expected = max(1, os.cpu_count() // 2)
+    assert group2.run(lambda: (torch.get_num_threads(), torch.get_num_interop_threads())) == [(expected, 1)] * 2
+
+
+def test_threads_per_rank_overrides_the_default():
+    with RankGroup(1, threads_per_rank=3, timeout=60) as group:  # the default here would be cpu_count
+        assert group.run(torch.get_num_threads) == [3]
+
+
+def test_reused_group_keeps_module_state_between_runs(group2):
+    def set_state():
+        import tplab.dist as d
+        d._test_state = world_info()[0] * 10
+        return os.getpid()
+
+    def get_state():
+        import tplab.dist as d
+        return d._test_state, os.getpid()
+
+    pids = group2.run(set_state)
+    assert group2.run(get_state) == [(0, pids[0]), (10, pids[1])]
+
+
+def test_rank_print_is_forwarded_with_rank_prefix(group2, capsys):
+    def talk():
+        rank = world_info()[0]
+        print(f"hello from {rank}")
+        print(f"warning from {rank}", file=sys.stderr)
+        print("no newline", end="")
+
+    group2.run(talk)
+    captured = capsys.readouterr()
+    assert "[rank 0] hello from 0\n" in captured.out
+    assert "[rank 1] hello from 1\n" in captured.out
+    assert "[rank 1] no newline\n" in captured.out
+    assert "[rank 1] warning from 1\n" in captured.err
+
+
+def test_rank_output_reaches_the_parent_while_the_rank_is_still_running(group2, monkeypatch):
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append((time.monotonic(), text))
+
+        def flush(self):
+            pass
+
+    def print_then_work():
+        print("early")
+        time.sleep(1.0)
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    group2.run(print_then_work)
+    done = time.monotonic()
+    monkeypatch.undo()
+    early = [t for t, text in writes if "early" in text]
+    assert len(early) == 2 and max(early) < done - 0.5
+
+
+def test_each_group_spawns_fresh_processes_with_its_own_store_port(group2, monkeypatch):
+    import tplab.dist
+    monkeypatch.setattr(tplab.dist, "_set_in_parent_only", True, raising=False)
+    with RankGroup(1, timeout=60) as group:
+        assert group._ranks.store.port != group2._ranks.store.port
+        assert group.run(lambda: hasattr(sys.modules["tplab.dist"], "_set_in_parent_only")) == [False]
+
+
+def test_raising_rank_gives_rank_error_quickly_and_next_launch_works(no_new_children):
+    def fail_on_rank_1():
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            raise ValueError("boom on purpose")
+        dist.barrier()  # rank 0 waits for a peer that never comes
+        return "unreachable"
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(fail_on_rank_1, 2, timeout=60)
+    assert time.monotonic() - start < 20
+    err = info.value
+    assert err.rank == 1
+    assert "rank 1 failed: ValueError: boom on purpose" in str(err)
+    assert "Traceback (most recent call last)" in err.remote_traceback
+    assert "fail_on_rank_1" in str(err) and 'raise ValueError("boom on purpose")' in str(err)
+    assert launch(lambda: world_info(), 2, timeout=60) == [(0, 2), (1, 2)]
+
+
+def test_killed_rank_gives_rank_error_quickly_and_closes_group(no_new_children):
+    def die_on_rank_1():
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()
+
+    group = RankGroup(2, timeout=60)
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 died \(signal 9") as info:
+        group.run(die_on_rank_1)
+    assert time.monotonic() - start < 10
+    assert info.value.rank == 1
+    with pytest.raises(RuntimeError, match="create a new RankGroup"):
+        group.run(world_info)
+    group.close()  # idempotent after a failure
+
+
+def test_hanging_rank_times_out_naming_the_silent_ranks(no_new_children):
+    def hang_on_rank_0():
+        if world_info()[0] == 0:
+            time.sleep(3600)
+        return "done"
+
+    with RankGroup(2, timeout=60) as group:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"ranks \[0\] did not answer within 1.5 s"):
+            group.run(hang_on_rank_0, timeout=1.5)
+        assert time.monotonic() - start < 1.5 + 4  # + SIGTERM grace and joins
+
+
+def test_ctrl_c_while_waiting_stops_the_ranks_and_reraises(no_new_children):
+    group = RankGroup(2, timeout=60)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        group.run(time.sleep, args=(3600,))
+    assert time.monotonic() - start < 1.0 + 4
+    with pytest.raises(RuntimeError, match="create a new RankGroup"):
+        group.run(world_info)
+
+
+# A user script with no `if __name__ == "__main__":` guard, whose process is then killed.
+USER_SCRIPT = """
+import os, threading, time
+from tplab.dist import RankGroup
+main_thread_group = RankGroup(1)  # ranks get PR_SET_PDEATHSIG
+box = []
+thread = threading.Thread(target=lambda: box.append(RankGroup(1)))  # ranks rely on the watchdog
+thread.start()
+thread.join()
+print(*main_thread_group.run(os.getpid), *box[0].run(os.getpid), flush=True)
+time.sleep(3600)
+"""
+
+
+def test_ranks_exit_when_the_parent_is_killed(tmp_path):
+    def gone(pid):
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    script = tmp_path / "user_script.py"
+    script.write_text(USER_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    pids = []
+    try:
+        line = parent.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2, parent.stderr.read() if parent.poll() is not None else line
+        assert not any(gone(pid) for pid in pids)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(gone(pid) for pid in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in pids:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_unpicklable_function_is_refused_in_the_parent_and_group_stays_usable(group2):
+    lock = threading.Lock()
+    with pytest.raises(TypeError):
+        group2.run(lambda: lock)
+    assert group2.run(world_info) == [(0, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=0), "world_size must be an int >= 1"),
+    (dict(world_size=2.0), "world_size must be an int >= 1"),
+    (dict(world_size=2, backend="mpi"), "backend must be one of"),
+])
+def test_invalid_arguments_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pick_backend(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        launch(world_info, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without enough GPUs")
+def test_nccl_without_gpus_explains_how_to_fix_it():
+    with pytest.raises(ValueError, match=r"0 GPU\(s\).*backend='gloo' or a smaller world_size"):
+        RankGroup(2, backend="nccl")
+    assert pick_backend(2) == "gloo"
+
+
+def test_outside_a_rank_there_is_no_group():
+    assert world_info() == (0, 1)
+    assert rank_device() == torch.device("cpu")
+
+
+def test_close_destroys_each_rank_group_and_leaves_no_processes(group2, tmp_path):
+    def note_destroy(folder):
+        import torch.distributed as dist
+        original = dist.destroy_process_group
+
+        def destroy(*args, **kwargs):
+            Path(folder, f"destroyed{dist.get_rank()}").touch()
+            return original(*args, **kwargs)
+        dist.destroy_process_group = destroy
+
+    group2.run(note_destroy, args=(str(tmp_path),))
+    procs = group2._ranks.procs
+    group2.close()
+    group2.close()  # idempotent
+    assert sorted(os.listdir(tmp_path)) == ["destroyed0", "destroyed1"]
+    assert [p.exitcode for p in procs] == [0, 0]  # exited on their own, not terminated
+    assert group2._ranks.store is None
+    with pytest.raises(RuntimeError, match="closed"):
+        group2.run(world_info)
+    assert live_children() == set()

@@ -1,0 +1,112 @@
+"""The LLM front end: bad input fails early with a message that says what to change; sampling is
+seeded and identical on every rank; EOS stops a sequence."""
+import json
+import shutil
+
+import pytest
+
+from tplab import LLM, SamplingParams, models
+from tplab.engine import worker
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    with LLM(checkpoint("gqa")) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("tp,msg", [
+    (3, r"tensor_parallel_size=3 does not work: 4 query heads are not divisible by 3\. TP sizes that work: \[1, 2, 4\]"),
+    (8, r"8 query heads|4 query heads are not divisible by 8"),
+    (0, r"tensor_parallel_size must be >= 1"),
+])
+def test_bad_tp_size_is_refused_before_any_rank_starts(checkpoint, tp, msg):
+    with pytest.raises(ValueError, match=msg):
+        LLM(checkpoint("gqa"), tensor_parallel_size=tp)
+
+
+def test_tp_size_must_divide_intermediate_size(tmp_path):
+    folder = models.save_random_qwen2(tmp_path, intermediate_size=90)
+    with pytest.raises(ValueError, match=r"intermediate_size 90 is not divisible by 4\. TP sizes that work: \[1, 2\]"):
+        LLM(folder, tensor_parallel_size=4)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(dtype="float64"), r"unknown dtype 'float64'"),
+    (dict(bugs=["not_a_bug"]), r"unknown bug name\(s\) \['not_a_bug'\]"),
+])
+def test_bad_llm_arguments(checkpoint, kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        LLM(checkpoint("gqa"), **kwargs)
+
+
+@pytest.mark.parametrize("prompts,params,msg", [
+    ([[1, 2], []], SamplingParams(), r"prompt 1 is empty"),
+    ([[1, 256, 7]], SamplingParams(), r"prompt 0 has token id\(s\) \[256\] outside the vocabulary \[0, 256\)"),
+    ([[-1]], SamplingParams(), r"outside the vocabulary"),
+    ([[1] * 250], SamplingParams(max_tokens=10), r"250 tokens \+ max_tokens 10 = 260 > max_position_embeddings 256"),
+    (["hello"], SamplingParams(), r"has no tokenizer: pass prompts as lists of token ids"),
+    ([[1], [2]], [SamplingParams()] * 3, r"3 SamplingParams for 2 prompts"),
+])
+def test_bad_prompts_are_refused(llm, prompts, params, msg):
+    with pytest.raises(ValueError, match=msg):
+        llm.generate(prompts, params)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(max_tokens=0), "max_tokens must be a positive int"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=0), "top_k must be -1"),
+])
+def test_bad_sampling_params(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kwargs)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
+    params = lambda seed: SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=16, seed=seed,
+                                         ignore_eos=True)
+    a, b = (llm.generate([[1, 2, 3]], params(7))[0].token_ids for _ in range(2))
+    c = llm.generate([[1, 2, 3]], params(8))[0].token_ids
+    assert a == b and a != c
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+    for p in (SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, ignore_eos=True)):
+        assert llm.generate([[5, 6, 7]], p)[0].token_ids == greedy
+
+
+def test_sampling_gives_the_same_tokens_on_every_rank_and_at_every_tp(checkpoint):
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=12, seed=3, ignore_eos=True)
+    prompts = [[1, 2, 3], [9, 8]]
+    with LLM(checkpoint("gqa")) as one:
+        tp1 = [o.token_ids for o in one.generate(prompts, params)]
+    with LLM(checkpoint("gqa"), tensor_parallel_size=2) as two:
+        per_rank = two._group.run(worker.generate, (prompts, [params] * 2))
+    assert per_rank[0] == per_rank[1]                               # both ranks drew the same tokens
+    assert [ids for ids, _, _ in per_rank[0]] == tp1
+
+
+def test_eos_stops_a_sequence_unless_ignored(checkpoint, tmp_path):
+    folder = shutil.copytree(checkpoint("gqa"), tmp_path / "eos")
+    with LLM(folder) as engine:
+        greedy = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    eos = next(t for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    with LLM(folder) as engine:
+        stopped = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=12))[0]
+        ignored = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert stopped.token_ids == greedy[: greedy.index(eos) + 1] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == greedy and ignored.finish_reason == "length"
+
+
+def test_shut_down_llm_refuses_to_generate(checkpoint):
+    engine = LLM(checkpoint("gqa"))
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate([[1, 2]])

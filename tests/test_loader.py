@@ -1,0 +1,111 @@
+"""Loading: each rank reads only its slices; bad checkpoints fail naming the tensor and file."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tplab.config import EngineConfig
+from tplab.engine.engine import build_model
+from tplab.loader import CheckpointError, LazySlice
+from tplab.layers.weights import WeightShapeError
+
+
+def _copy(src, dst, edit=None):
+    shutil.copytree(src, dst)
+    if edit:
+        tensors = load_file(dst / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch, tp):
+    """Count the elements read from the files per rank: a rank's share, not the whole checkpoint.
+
+    (On a config without KV-head replication, so the share is exactly 1/tp plus replicated norms.)
+    """
+    folder = checkpoint("vocab_pad")
+    full = sum(t.numel() for t in load_file(folder / "model.safetensors").values())
+    cfg = EngineConfig(str(folder), tp)
+    real, read = LazySlice.materialize, []
+
+    def counting(self):
+        tensor = real(self)
+        read.append(tensor.numel())
+        return tensor
+    monkeypatch.setattr(LazySlice, "materialize", counting)
+    for rank in range(tp):
+        read.clear()
+        model = build_model(cfg, "cpu", tp_rank=rank, tp_size=tp)
+        held = sum(p.numel() for p in model.parameters())
+        norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)   # replicated on every rank
+        assert sum(read) <= held, "a rank read more than it holds"
+        share = (full - norms) / tp + norms + 64                   # + at most one padding row of the vocab
+        assert held <= share, f"rank {rank} holds {held} parameters, more than its share {share:.0f}"
+
+
+def test_missing_lm_head_is_an_error_naming_it(checkpoint, tmp_path):
+    folder = _copy(checkpoint("untied"), tmp_path / "ckpt", lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError, match="missing 1 tensor.*lm_head.weight"):
+        build_model(EngineConfig(str(folder), 1), "cpu")
+
+
+def test_unexpected_tensor_is_an_error_naming_it(checkpoint, tmp_path):
+    folder = _copy(checkpoint("gqa"), tmp_path / "ckpt", lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match="unexpected tensor model.extra.weight in model.safetensors"):
+        build_model(EngineConfig(str(folder), 1), "cpu")
+
+
+def test_misshaped_tensor_names_tensor_and_both_shapes(checkpoint, tmp_path):
+    def transpose(t):
+        name = "model.layers.1.mlp.down_proj.weight"
+        t[name] = t[name].T.contiguous()
+    folder = _copy(checkpoint("gqa"), tmp_path / "ckpt", transpose)
+    with pytest.raises(WeightShapeError, match=r"model.layers.1.mlp.down_proj.weight in model.safetensors.*"
+                                               r"expected shape \(64, 128\), found \(128, 64\)"):
+        build_model(EngineConfig(str(folder), 2), "cpu", tp_rank=1, tp_size=2)
+
+
+def test_config_that_disagrees_with_weights_is_an_error(checkpoint, tmp_path):
+    folder = _copy(checkpoint("gqa"), tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightShapeError, match=r"model.layers.0.mlp.\w+_proj.weight in model.safetensors: "
+                                               r"expected shape \((96, 64|64, 96)\), found \((128, 64|64, 128)\)"):
+        build_model(EngineConfig(str(folder), 1), "cpu")
+
+
+def test_truncated_file_is_an_error_naming_the_file(checkpoint, tmp_path):
+    folder = _copy(checkpoint("gqa"), tmp_path / "ckpt")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="cannot read .*model.safetensors"):
+        build_model(EngineConfig(str(folder), 1), "cpu")
+
+
+def test_folder_errors_say_what_is_wrong(checkpoint, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        EngineConfig(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
+        EngineConfig(str(tmp_path / "empty"))
+    folder = _copy(checkpoint("gqa"), tmp_path / "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type='llama'; tplab runs Qwen2"):
+        EngineConfig(str(folder))
+
+
+def test_rope_scaling_is_refused_not_ignored(checkpoint, tmp_path):
+    folder = _copy(checkpoint("gqa"), tmp_path / "yarn")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64}
+    config.pop("rope_scaling", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="rope_type='yarn' is not implemented"):
+        EngineConfig(str(folder))
