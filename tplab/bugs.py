@@ -6,7 +6,6 @@ the pitfall it reproduces.
 """
 import dataclasses
 
-import torch
 import torch.nn.functional as F
 
 

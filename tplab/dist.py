@@ -1,14 +1,11 @@
-"""Ranks from a notebook cell: fresh processes sharing a real ``torch.distributed`` group.
+"""Ranks from a notebook cell: fresh processes sharing a real ``torch.distributed`` process group.
 
-``launch(fn, world_size)`` (or a reusable ``RankGroup``) starts ``world_size`` processes with
-the "spawn" method, joins them into one process group and runs ``fn`` in each. ``fn`` travels
-by value with cloudpickle, so it may live in a notebook cell or be a closure; return values
-come back the same way, tensors moved to the CPU. A failing, dying or hanging rank is reported
-in the parent and every rank is stopped, so a cell can be re-run at once.
+``launch(fn, world_size)`` (or a reusable ``RankGroup``) spawns the ranks, joins them into one group
+and runs ``fn`` in each. ``fn`` and its results travel by value with cloudpickle, so ``fn`` may be
+defined in a notebook cell; tensors come back on the CPU. A rank that raises, dies or hangs is
+reported in the parent and every rank is stopped, so the cell can simply be run again.
 """
 import atexit
-import ctypes
-import io
 import multiprocessing as mp
 import multiprocessing.spawn
 import os
@@ -17,14 +14,14 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import weakref
-from datetime import timedelta
 from multiprocessing.connection import wait
 
 import cloudpickle
 import torch
 import torch.distributed as dist
+
+from tplab.rank_process import rank_main
 
 _BACKENDS = ("gloo", "nccl")
 _KILL_GRACE_S = 2.0  # SIGTERM -> SIGKILL delay when stopping ranks
@@ -68,125 +65,19 @@ class RankError(RuntimeError):
         self.rank, self.remote_traceback = rank, remote_traceback
 
 
-# --------------------------------------------------------------------------- inside a rank
-
-class _Forward(io.TextIOBase):
-    """sys.stdout/err replacement in a rank: ships whole lines to the parent as they are written."""
-
-    encoding, errors = "utf-8", "replace"
-
-    def __init__(self, send, stream: str):
-        self._send, self._stream, self._buf, self._lock = send, stream, "", threading.Lock()
-
-    def write(self, text):
-        with self._lock:
-            self._buf += text
-            # Keep a partial line until its newline so "[rank N] " prefixes stay at line starts.
-            head, sep, self._buf = self._buf.rpartition("\n")
-        if sep:
-            self._send(("out", self._stream, head + sep))
-        return len(text)
-
-    def flush_all(self):
-        with self._lock:
-            rest, self._buf = self._buf, ""
-        if rest:
-            self._send(("out", self._stream, rest + "\n"))
-
-
-def _to_cpu(x):
-    """Detached CPU copies of every tensor in nested lists/tuples/dicts, so results pickle by value."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu").clone()
-    if isinstance(x, dict):
-        return type(x)((k, _to_cpu(v)) for k, v in x.items())
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*(_to_cpu(v) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_cpu(v) for v in x)
-    return x
-
-
-def _watch_parent(parent_pid: int):
-    # Fallback for platforms without PR_SET_PDEATHSIG: once the parent is gone we are re-parented.
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(1)
-
-
-def _rank_main(rank, world_size, backend, port, timeout_s, threads, conn, parent_pid, pdeathsig):
-    """Entry point of a rank process (module level so spawn can find it without the user's __main__)."""
-    if pdeathsig and sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
-
-    send_lock = threading.Lock()
-
-    def send(msg):
-        data = cloudpickle.dumps(msg)
-        try:
-            with send_lock:
-                conn.send_bytes(data)
-        except OSError:  # parent gone
-            os._exit(1)
-
-    out, err = _Forward(send, "stdout"), _Forward(send, "stderr")
-    sys.stdout, sys.stderr = out, err
-
-    def run_reporting(fn):
-        try:
-            reply = ("ok", cloudpickle.dumps(_to_cpu(fn())))
-        except BaseException as e:
-            reply = ("err", type(e).__qualname__, str(e), traceback.format_exc())
-        out.flush_all()
-        err.flush_all()
-        send(reply)
-        return reply[0] == "ok"
-
-    def init():
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                          LOCAL_WORLD_SIZE=str(world_size))
-        torch.set_num_threads(threads)
-        torch.set_num_interop_threads(1)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-
-    if not run_reporting(init):
-        return
-    while True:
-        try:
-            msg = pickle.loads(conn.recv_bytes())
-        except EOFError:  # the parent closed our pipe: nothing more to do
-            break
-        if msg[0] == "close":
-            break
-        fn, args, kwargs = cloudpickle.loads(msg[1])
-        run_reporting(lambda: fn(*args, **kwargs))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# --------------------------------------------------------------------------- in the parent
-
 _spawn_lock = threading.Lock()
 
 
 def _start_without_main(proc):
-    # spawn normally re-runs the parent's __main__ script in the child. Ranks never need it (fn
-    # arrives by value), and a user script without an `if __name__ == "__main__"` guard would
-    # launch ranks recursively, so drop those entries from spawn's preparation data.
+    # spawn normally re-runs the parent's __main__ script in the child. Ranks never need it (fn comes
+    # by value), and a user script without an `if __name__ == "__main__"` guard would start ranks
+    # recursively, so leave the main-module entries out of spawn's preparation data.
     original = mp.spawn.get_preparation_data
 
     def without_main(name):
         data = original(name)
-        for key in ("init_main_from_name", "init_main_from_path"):
-            data.pop(key, None)
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
         return data
 
     with _spawn_lock:
@@ -198,7 +89,7 @@ def _start_without_main(proc):
 
 
 class _Ranks:
-    """The processes, pipes and store of one RankGroup; kept apart from it so a finalizer can stop them."""
+    """The processes, pipes and store of one RankGroup, apart from it so that a finalizer can stop them."""
 
     def __init__(self):
         self.procs, self.conns, self.store, self.stopped = [], [], None, False
@@ -213,27 +104,29 @@ class _Ranks:
                     conn.send_bytes(pickle.dumps(("close",)))
                 except OSError:
                     pass
-            deadline = time.monotonic() + 10.0
-            for p in self.procs:
-                p.join(max(0.0, deadline - time.monotonic()))
+            self._join(10.0)
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
-        deadline = time.monotonic() + _KILL_GRACE_S
+        self._join(_KILL_GRACE_S)
         for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
         for conn in self.conns:
             conn.close()
-        self.store = None  # drops the TCPStore server
+        self.store = None  # shuts the TCPStore server down
+
+    def _join(self, seconds: float):
+        deadline = time.monotonic() + seconds
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
 
 
 _live: "weakref.WeakSet[RankGroup]" = weakref.WeakSet()
 
 
-@atexit.register  # registered after multiprocessing's own hook, so it runs before that joins children
+@atexit.register  # registered after multiprocessing's own hook, so it runs before that one joins children
 def _close_all():
     for group in list(_live):
         group.close()
@@ -249,8 +142,8 @@ def _death(rank: int, proc) -> RankError:
 class RankGroup:
     """`world_size` long-lived rank processes sharing one process group; run functions on all of them.
 
-    Use as a context manager or call ``close()``. After a rank fails or a run times out, every rank
-    is stopped and the group is closed; create a new one to go on.
+    Use as a context manager or call ``close()``. A rank failure, a timeout or Ctrl-C stops every
+    rank and closes the group; create a new one to go on.
     """
 
     def __init__(self, world_size: int, backend: str | None = None, timeout: float = 300.0,
@@ -261,26 +154,26 @@ class RankGroup:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         if threads_per_rank is not None and (not isinstance(threads_per_rank, int) or threads_per_rank < 1):
             raise ValueError(f"threads_per_rank must be None or an int >= 1, got {threads_per_rank!r}")
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)  # no oversubscription
         self._ranks = ranks = _Ranks()
         self._finalizer = weakref.finalize(self, ranks.stop)
         _live.add(self)
-        # Port 0: the OS picks a free port while the store is bound, so there is no port race.
+        # Port 0: the OS picks a free port and the store holds it, so ranks cannot race for a port.
         ranks.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
         # PR_SET_PDEATHSIG fires when the creating *thread* exits, so use it only from the main thread.
         pdeathsig = threading.current_thread() is threading.main_thread()
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("spawn")  # fork is unsafe once the parent has touched CUDA
         try:
             for rank in range(world_size):
                 here, there = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=_rank_main, name=f"tplab-rank-{rank}", args=(
+                proc = ctx.Process(target=rank_main, name=f"tplab-rank-{rank}", args=(
                     rank, world_size, self.backend, ranks.store.port, self.timeout, threads, there,
                     os.getpid(), pdeathsig))
                 _start_without_main(proc)
-                there.close()  # so a dead rank shows up as EOF on our end
+                there.close()  # so that a dead rank shows up as EOF on our end
                 ranks.procs.append(proc)
                 ranks.conns.append(here)
-            self._collect(self.timeout)  # wait until every rank has joined the group
+            self._collect(self.timeout)  # every rank has joined the group (or the failure is raised)
         except BaseException:
             self._abort()
             raise
@@ -290,7 +183,7 @@ class RankGroup:
         if self._ranks.stopped:
             raise RuntimeError("this RankGroup is closed (close() was called, or a rank failed or timed out); "
                                "create a new RankGroup")
-        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))  # pickling errors leave us usable
+        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))  # a pickling error leaves us usable
         try:
             for rank, conn in enumerate(self._ranks.conns):
                 try:
@@ -316,8 +209,7 @@ class RankGroup:
                 results[rank] = cloudpickle.loads(msg[1])
                 pending.discard(rank)
             else:
-                _, name, text, tb = msg
-                raise RankError(rank, f"rank {rank} failed: {name}: {text}", tb)
+                raise RankError(rank, f"rank {rank} failed: {msg[1]}: {msg[2]}", msg[3])
 
         owner = {c: r for r, c in enumerate(ranks.conns)} | {p.sentinel: r for r, p in enumerate(ranks.procs)}
         while pending:
@@ -325,16 +217,19 @@ class RankGroup:
             if left <= 0:
                 raise TimeoutError(f"ranks {sorted(pending)} did not answer within {timeout:g} s; "
                                    f"all {self.world_size} ranks were stopped")
+            # Sentinels too: a rank killed by a signal is noticed at once, not at the deadline.
             for ready in wait([ranks.conns[r] for r in pending] + [p.sentinel for p in ranks.procs], left):
                 rank = owner[ready]
-                conn = ranks.conns[rank]
-                while conn.poll():  # an exited rank may still have its traceback buffered: read it first
+                conn, exited = ranks.conns[rank], ready is not ranks.conns[rank]
+                while conn.poll():  # one message per wake-up, but all that an exited rank left behind
                     try:
                         msg = pickle.loads(conn.recv_bytes())
                     except (EOFError, OSError):
                         raise _death(rank, ranks.procs[rank]) from None
                     handle(rank, msg)
-                if ready is not conn:  # its process exited
+                    if not exited:
+                        break
+                if exited:
                     raise _death(rank, ranks.procs[rank])
         return results
 

@@ -6,7 +6,7 @@ class WeightShapeError(ValueError):
     """A checkpoint tensor whose shape is not the one the model expects."""
 
 
-def expect_shape(loaded, expected: tuple[int, ...], what: str = "checkpoint tensor") -> None:
+def expect_shape(loaded, expected: tuple[int, ...], what: str = "") -> None:
     """Raise ``WeightShapeError`` naming both shapes when ``loaded`` has the wrong *full* shape.
 
     Loaders check the whole tensor before narrowing it: a transposed weight can
@@ -14,7 +14,7 @@ def expect_shape(loaded, expected: tuple[int, ...], what: str = "checkpoint tens
     """
     found = tuple(loaded.shape)
     if found != tuple(expected):
-        raise WeightShapeError(f"{what}: expected shape {tuple(expected)}, found {found}")
+        raise WeightShapeError(f"{what + ': ' if what else ''}expected shape {tuple(expected)}, found {found}")
 
 
 def materialize(loaded) -> torch.Tensor:

@@ -1,0 +1,43 @@
+"""The layers whose forward communicates, run in real gloo ranks against the dense layer."""
+import pytest
+import torch
+from torch import nn
+
+from tplab import launch
+
+
+def _row_embed_head(vocab):
+    """In each rank: row-parallel linear (all-reduce), vocab embedding (all-reduce), LM head (all-gather)."""
+    import torch.distributed as dist
+    from tplab.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+
+    torch.manual_seed(0)  # the same dense weights and inputs in every rank
+    dense, emb, x = nn.Linear(24, 16), torch.randn(vocab, 16), torch.randn(5, 24)
+    ids = torch.arange(vocab).flip(0)
+    row = RowParallelLinear(24, 16, bias=True)
+    row.weight_loader(row.weight, dense.weight.detach())
+    row.weight_loader(row.bias, dense.bias.detach())
+    embed, head = VocabParallelEmbedding(vocab, 16), ParallelLMHead(vocab, 16)
+    embed.weight_loader(embed.weight, emb)
+    head.weight_loader(head.weight, emb)
+    r, n = dist.get_rank(), dist.get_world_size()
+    return {
+        "row": (row(x.chunk(n, -1)[r]) - dense(x)).abs().max().item(),
+        "embed": (embed(ids) - emb[ids]).abs().max().item(),
+        "head": (head(x[:, :16]) - x[:, :16] @ emb.T).abs().max().item(),
+        "head_shape": tuple(head(x[:, :16]).shape),
+    }
+
+
+@pytest.mark.parametrize("tp,vocab", [(2, 32), (2, 31), (4, 30)])
+def test_collective_layers_match_dense_in_real_ranks(tp, vocab):
+    for rank, r in enumerate(launch(_row_embed_head, tp, args=(vocab,), backend="gloo", timeout=120)):
+        assert r["row"] < 1e-5 and r["embed"] == 0 and r["head"] < 1e-5, f"rank {rank}: {r}"
+        assert r["head_shape"] == (5, vocab)                        # padding dropped after the gather
+
+
+def test_row_parallel_without_a_group_refuses_instead_of_returning_a_partial_sum():
+    from tplab.layers import RowParallelLinear
+    layer = RowParallelLinear(8, 4, tp_rank=0, tp_size=2)
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        layer(torch.randn(2, 4))

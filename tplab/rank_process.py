@@ -1,0 +1,110 @@
+"""What runs inside a rank process started by ``tplab.dist.RankGroup``: join the group, then serve
+calls from the parent until it says close (or disappears)."""
+import ctypes
+import io
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+
+class _Forward(io.TextIOBase):
+    """A rank's sys.stdout/sys.stderr: ships each complete line to the parent as soon as it is written."""
+    encoding, errors = "utf-8", "replace"
+
+    def __init__(self, send, stream: str):
+        self._send, self._stream, self._buf, self._lock = send, stream, "", threading.Lock()
+
+    def write(self, text, final=False):
+        with self._lock:  # partial lines wait for their newline so "[rank N] " stays at line starts
+            head, sep, self._buf = (self._buf + text + "\n" * final).rpartition("\n")
+        if sep and (head or not final):
+            self._send(("out", self._stream, head + sep))
+        return len(text)
+
+
+def _to_cpu(x):
+    """Detached, compact CPU copies of every tensor in nested lists/tuples/dicts, so results pickle by value."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu").clone()
+    if isinstance(x, dict):
+        return type(x)((k, _to_cpu(v)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*map(_to_cpu, x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(map(_to_cpu, x))
+    return x
+
+
+def _watch_parent(parent_pid: int):
+    # Fallback where PR_SET_PDEATHSIG is not used: an orphaned process is re-parented.
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def rank_main(rank, world_size, backend, port, timeout_s, threads, conn, parent_pid, pdeathsig):
+    """Entry point of a rank process (module level, so spawn finds it without the user's __main__)."""
+    if pdeathsig and sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+    send_lock = threading.Lock()
+
+    def send(msg):
+        data = cloudpickle.dumps(msg)
+        try:
+            with send_lock:  # prints may come from any thread
+                conn.send_bytes(data)
+        except OSError:  # the parent is gone
+            os._exit(1)
+
+    sys.stdout, sys.stderr = out, err = _Forward(send, "stdout"), _Forward(send, "stderr")
+
+    def answer(work):
+        """Run ``work()`` and send the parent its result or traceback, whatever happens."""
+        try:
+            reply = ("ok", cloudpickle.dumps(_to_cpu(work())))
+        except BaseException as e:
+            reply = ("err", type(e).__qualname__, str(e), traceback.format_exc())
+        out.write("", final=True)
+        err.write("", final=True)
+        send(reply)
+        return reply[0] == "ok"
+
+    def init():
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_WORLD_SIZE=str(world_size))  # for code written for torchrun
+        torch.set_num_threads(threads)
+        torch.set_num_interop_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+    if answer(init):
+        while True:  # idle ranks block here; EOF means the parent closed our pipe
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if msg[0] == "close":
+                break
+
+            def call(payload=msg[1]):  # unpickled inside answer(): a missing module is reported too
+                fn, args, kwargs = cloudpickle.loads(payload)
+                return fn(*args, **kwargs)
+            answer(call)
+    if dist.is_initialized():
+        dist.destroy_process_group()
