@@ -1,0 +1,27 @@
+"""Per-layer golden comparison against HF: exact where it should be, and it points at the broken sublayer."""
+import pytest
+
+from tplab import golden
+
+PROMPT = [3, 17, 42, 99, 5, 61, 200, 7, 150]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return golden.hf_activations(checkpoint("untied"), PROMPT)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_sublayer_matches_hf(checkpoint, reference, tp):
+    rows = golden.compare(reference, golden.tplab_activations(checkpoint("untied"), PROMPT, tp))
+    assert [r.name for r in rows] == golden.activation_names(3) and len(rows) == 3 * 5 + 3
+    assert golden.first_divergence(rows, tol=1e-4) is None, golden.report(rows)
+
+
+@pytest.mark.parametrize("bug", ["mask_mul_inf", "no_rope"])
+def test_a_bug_is_found_at_the_first_attention(checkpoint, reference, bug):
+    rows = golden.compare(reference, golden.tplab_activations(checkpoint("untied"), PROMPT, 1, bugs=[bug]))
+    assert golden.first_divergence(rows) == "model.layers.0.self_attn"
+    assert all(r.max_abs == 0 for r in rows[:2])                    # embedding and first norm untouched
+    if bug == "mask_mul_inf":
+        assert rows[2].nonfinite > 0                                 # NaN from 0 * -inf
