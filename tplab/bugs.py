@@ -48,6 +48,12 @@ def check_names(names) -> list[str]:
     return names
 
 
+def positions_fn(names=()):
+    """The runner's token-position function, with the named bugs swapped in."""
+    from tplab.engine.runner import token_positions
+    return token_positions
+
+
 def describe(name: str) -> str:
     """The pitfall a bug reproduces (its replacement's docstring)."""
     return _PARTS[check_names([name])[0]][1].__doc__.strip()

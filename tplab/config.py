@@ -57,6 +57,11 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     """What ``LLM(...)`` was asked for, checked against the checkpoint. Sent to every rank."""
@@ -66,6 +71,13 @@ class EngineConfig:
     seed: int = 0
     bugs: tuple[str, ...] = ()
     device: str | None = None          # None: cuda when the backend is nccl, else cpu
+    # paged KV cache and continuous batching
+    block_size: int = 16               # tokens per KV block
+    num_kv_blocks: int | None = None   # None: as many as kv_cache_memory allows
+    kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: see engine.kv_cache_budget
+    max_num_seqs: int = 16             # sequences in flight per step
+    max_num_batched_tokens: int = 4096  # tokens per step (a longer prompt still runs alone)
+    enable_prefix_caching: bool = False
     hf_config: object = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -75,5 +87,10 @@ class EngineConfig:
         self.torch_dtype = resolve_dtype(self.dtype, self.hf_config)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_kv_blocks", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
         from tplab import bugs
         self.bugs = tuple(bugs.check_names(self.bugs))

@@ -1,14 +1,19 @@
-"""The engine as one rank runs it: build this rank's shard, load its slices, generate.
+"""The engine as one rank runs it: build this rank's shard, load its slices, serve requests.
 
-Every rank runs the same loop on the same requests (SPMD); the only
+Every rank runs the same scheduler on the same requests with the same number of KV
+blocks (SPMD), so they make the same decisions step for step; the only
 communication is inside the model's collectives.
 """
+import psutil
 import torch
+import torch.distributed as dist
 
 from tplab import bugs
+from tplab.cache.block_manager import BlockManager
 from tplab.config import EngineConfig
 from tplab.engine.runner import ModelRunner
 from tplab.engine.sampling import SamplingParams
+from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
 from tplab.loader import load_weights
 from tplab.models.qwen2 import Qwen2ForCausalLM
@@ -39,30 +44,66 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     return model.eval()
 
 
+def kv_cache_budget(device: torch.device, tp_size: int) -> int:
+    """Default bytes for one rank's KV cache, as vLLM sizes it: 90% of the GPU memory left after the
+    weights; on CPU a tenth of the available RAM shared by the ranks, at most 4 GiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return min(psutil.virtual_memory().available // 10 // tp_size, 4 << 30)
+
+
+def num_kv_blocks(cfg: EngineConfig, runner: ModelRunner, device: torch.device) -> int:
+    """Blocks for this rank: from ``num_kv_blocks`` or the memory budget, never more than
+    ``max_num_seqs`` sequences of ``max_position_embeddings`` tokens can use, and the same on every rank."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.tensor_parallel_size)
+    useful = cfg.max_num_seqs * -(-cfg.hf_config.max_position_embeddings // cfg.block_size)
+    blocks = torch.tensor(min(budget // runner.bytes_per_block(cfg.block_size), useful))
+    if dist.is_initialized():  # ranks must agree, or their schedulers would diverge
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN)
+    if blocks < 1:
+        raise ValueError(f"a KV cache budget of {budget} bytes holds no block of {cfg.block_size} tokens; "
+                         "raise kv_cache_memory or lower block_size")
+    return int(blocks)
+
+
 class LLMEngine:
-    """One rank's engine: the model shard, its runner and the generation loop."""
+    """One rank's engine: the model shard, its paged KV cache, the scheduler and the step loop."""
 
     def __init__(self, cfg: EngineConfig, device):
         self.cfg, self.device = cfg, torch.device(device)
         self.model = build_model(cfg, self.device)
-        self.runner = ModelRunner(self.model, self.device, cfg.torch_dtype)
+        self.runner = ModelRunner(self.model, self.device, cfg.torch_dtype, bugs.positions_fn(cfg.bugs))
+        self.runner.allocate(num_kv_blocks(cfg, self.runner, self.device), cfg.block_size)
         self.eos_ids = eos_token_ids(cfg.hf_config)
         self.max_model_len = cfg.hf_config.max_position_embeddings
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.num_steps = 0
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
-        """Greedy/sampled continuation of each prompt, all sequences batched in every step.
-
-        Contiguous cache: sequence i owns block i, one block as long as the longest request.
-        """
-        seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp), block_table=[i])
-                for i, (p, sp) in enumerate(zip(prompts, params))]
-        self.runner.allocate(len(seqs), max(len(p) + sp.max_tokens for p, sp in zip(prompts, params)))
-        running = seqs
-        while running:  # first step: every prompt's prefill; then one decode token per sequence
-            for seq, (token, logprob) in zip(running, self.runner.step(running)):
+        """Serve every prompt with continuous batching; returns the finished sequences in prompt order."""
+        seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        while self.scheduler.has_work():
+            batch = self.scheduler.schedule()
+            for seq, (token, logprob) in zip(batch, self.runner.step(batch)):
                 seq.append(token, logprob, self.eos_ids, self.max_model_len)
-            running = [s for s in running if not s.finished]
+                if seq.finished:
+                    self.scheduler.finish(seq)
+            self.num_steps += 1
         return seqs
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_hit_blocks": bm.prefix_cache_hit_blocks,
+                "peak_kv_blocks_used": bm.peak_blocks_used, "num_kv_blocks": bm.num_blocks,
+                "kv_blocks_in_use": bm.num_used_blocks, "block_size": bm.block_size,
+                "kv_cache_bytes": self.runner.kv_cache_bytes(), "num_steps": self.num_steps}
 
     def _generator(self, index: int, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:

@@ -44,8 +44,12 @@ class LLM:
     """
 
     def __init__(self, model, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0,
-                 bugs=(), backend: str | None = None, timeout: float = 600.0, device: str | None = None):
-        self.config = EngineConfig(str(model), tensor_parallel_size, dtype, seed, tuple(bugs or ()), device)
+                 bugs=(), backend: str | None = None, timeout: float = 600.0, device: str | None = None,
+                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False):
+        self.config = EngineConfig(str(model), tensor_parallel_size, dtype, seed, tuple(bugs or ()), device,
+                                   block_size, num_kv_blocks, kv_cache_memory, max_num_seqs,
+                                   max_num_batched_tokens, enable_prefix_caching)
         self.tokenizer = load_tokenizer(model)
         self.timeout = timeout
         self._group = self._engine = None
@@ -54,18 +58,18 @@ class LLM:
             if dist.get_world_size() != tp:
                 raise ValueError(f"tensor_parallel_size={tp} but the process group has {dist.get_world_size()} "
                                  f"ranks: pass tensor_parallel_size={dist.get_world_size()} under torchrun")
-            worker.start_engine(self.config)
+            self.rank_info = [worker.start_engine(self.config)]
             self._engine = worker
         elif tp == 1:                                   # one rank: this process
             if self.config.device is None:
                 self.config.device = "cuda" if torch.cuda.is_available() else "cpu"
-            worker.start_engine(self.config)
+            self.rank_info = [worker.start_engine(self.config)]
             self._engine = worker
         else:
             from tplab.dist import RankGroup
             self._group = RankGroup(tp, backend=backend, timeout=timeout)
             try:
-                self.param_bytes_per_rank = self._group.run(worker.start_engine, (self.config,), timeout=timeout)
+                self.rank_info = self._group.run(worker.start_engine, (self.config,), timeout=timeout)
             except BaseException:
                 self.shutdown()
                 raise
@@ -82,14 +86,22 @@ class LLM:
         texts, token_lists = self._tokenize(prompts)
         params = self._params_for(sampling_params, len(token_lists))
         self._check_lengths(token_lists, params)
+        results = self._call(worker.generate, token_lists, params)
+        return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
+                for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
+
+    def stats(self) -> dict:
+        """Cache and scheduler counters of rank 0: num_preemptions, prefix_cache_hit_blocks,
+        peak_kv_blocks_used, num_kv_blocks, kv_cache_bytes, ... (cumulative over generate calls)."""
+        return self._call(worker.stats)
+
+    def _call(self, fn, *args):
+        """``fn(*args)`` on every rank (or here at TP 1); rank 0's answer."""
         if self._engine is None and self._group is None:
             raise RuntimeError("this LLM was shut down; create a new one")
         if self._group is not None:
-            results = self._group.run(worker.generate, (token_lists, params), timeout=self.timeout)[0]
-        else:
-            results = worker.generate(token_lists, params)
-        return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
-                for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
+            return self._group.run(fn, args, timeout=self.timeout)[0]
+        return fn(*args)
 
     def shutdown(self) -> None:
         """Stop the ranks (or drop the in-process engine) and free their memory."""
@@ -142,11 +154,16 @@ class LLM:
 
     def _check_lengths(self, token_lists, params):
         limit = self.config.hf_config.max_position_embeddings
+        blocks, block_size = self.rank_info[0]["num_kv_blocks"], self.rank_info[0]["block_size"]
         for i, (ids, p) in enumerate(zip(token_lists, params)):
-            if len(ids) + p.max_tokens > limit:
+            total = len(ids) + p.max_tokens
+            if total > limit:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens + max_tokens {p.max_tokens} = "
-                                 f"{len(ids) + p.max_tokens} > max_position_embeddings {limit}: "
-                                 "shorten the prompt or lower max_tokens")
+                                 f"{total} > max_position_embeddings {limit}: shorten the prompt or lower max_tokens")
+            if -(-total // block_size) > blocks:  # it could never run, even alone: refuse instead of hanging
+                raise ValueError(f"prompt {i} needs {-(-total // block_size)} KV blocks of {block_size} tokens for "
+                                 f"{len(ids)} prompt tokens + max_tokens {p.max_tokens}, but the cache has {blocks}: "
+                                 "raise num_kv_blocks / kv_cache_memory, or shorten the prompt or max_tokens")
 
     def _decode(self, ids):
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)

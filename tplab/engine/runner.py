@@ -1,7 +1,7 @@
 """One rank's model runner: turns a list of sequences into one forward pass and a sampled token each."""
 import torch
 
-from tplab.cache.kv_cache import allocate_kv_cache
+from tplab.cache.kv_cache import allocate_kv_cache, kv_cache_bytes
 from tplab.engine.sampling import sample
 from tplab.engine.sequence import Sequence
 from tplab.layers.attention import build_metadata
@@ -22,14 +22,20 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.kv_caches, self.block_size = [], 0
 
+    def bytes_per_block(self, block_size: int) -> int:
+        """K and V of ``block_size`` tokens in every layer, for this rank's KV heads."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.model.model.layers) * block_size * self.num_kv_heads * self.head_dim * itemsize
+
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        """(Re)allocate the cache; kept when the current one already has this geometry."""
-        old = self.kv_caches[0][0].shape[:2] if self.kv_caches else None
-        if old != (num_blocks, block_size):
-            self.kv_caches = []  # free the old cache before allocating the new one
-            self.kv_caches = allocate_kv_cache(len(self.model.model.layers), num_blocks, block_size,
-                                               self.num_kv_heads, self.head_dim, self.dtype, self.device)
-        self.block_size = block_size
+        """Allocate the paged cache: per layer, K and V of ``(num_blocks, block_size, H_kv, D)``."""
+        self.kv_caches = []  # free an old cache before allocating the new one
+        self.kv_caches = allocate_kv_cache(len(self.model.model.layers), num_blocks, block_size,
+                                           self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def kv_cache_bytes(self) -> int:
+        return kv_cache_bytes(self.kv_caches)
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[tuple[int, float]]:

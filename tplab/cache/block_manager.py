@@ -1,0 +1,129 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts, prefix sharing.
+
+A sequence's K/V live in ``block_table`` blocks of ``block_size`` token slots each;
+token p sits in slot ``block_table[p // block_size] * block_size + p % block_size``.
+Blocks are handed out when needed and returned when the sequence finishes, so a
+sequence holds memory for the tokens it has, not for the longest it might become.
+
+With prefix caching, every *full* block is keyed by a chained hash of its token ids
+(the hash of the block before it, and its own tokens), so two sequences with the
+same prefix find the same blocks and share them by reference count.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from tplab.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None                  # set once the block is full (prefix caching)
+    token_ids: tuple[int, ...] = field(default=())
+
+
+def chain_hash(prev_hash: int | None, token_ids) -> int:
+    """Key of a full block: depends on every token before it, not only its own."""
+    return hash((prev_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # freed blocks go to the back
+        self.hash_to_block_id: dict[int, int] = {}
+        self.prefix_cache_hit_blocks = 0
+        self.peak_blocks_used = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_block_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _full_block_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
+        hashes, h = [], None
+        for i in range(num_tokens // self.block_size):
+            h = chain_hash(h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(h)
+        return hashes
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids already holding this sequence's leading full blocks (never its last token:
+        that one is always recomputed, to get the logits for the next token)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for i, h in enumerate(self._full_block_hashes(seq, len(seq) - 1)):
+            block_id = self.hash_to_block_id.get(h)
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if block_id is None or self.blocks[block_id].token_ids != tokens:  # hash collision or reused
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        revived = sum(self.blocks[b].ref_count == 0 for b in hits)  # shared from the free list
+        return len(self.free_block_ids) >= self.blocks_needed(len(seq)) - len(hits) + revived
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for every token of ``seq`` (its prompt, or prompt + output after a preemption)."""
+        assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
+        hits = self._cached_prefix(seq)
+        for block_id in hits:
+            if self.blocks[block_id].ref_count == 0:
+                self.free_block_ids.remove(block_id)
+            self.blocks[block_id].ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self.prefix_cache_hit_blocks += len(hits)
+        for _ in range(self.blocks_needed(len(seq)) - len(hits)):
+            seq.block_table.append(self._take_free_block())
+        for i, h in enumerate(self._full_block_hashes(seq, len(seq))[len(hits):], start=len(hits)):
+            self._register(seq.block_table[i], h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the K/V of ``seq``'s newest token (position ``len(seq) - 1``)."""
+        needs_block = len(seq.block_table) < self.blocks_needed(len(seq))   # the token starts a new block
+        return len(self.free_block_ids) >= int(needs_block)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Give ``seq`` a new block if its newest token starts one; register a block it fills."""
+        if len(seq.block_table) < self.blocks_needed(len(seq)):
+            seq.block_table.append(self._take_free_block())
+        if len(seq) % self.block_size == 0:
+            i = len(seq) // self.block_size - 1
+            self._register(seq.block_table[i], self._full_block_hashes(seq, len(seq))[-1],
+                           seq.token_ids[i * self.block_size:])
+
+    def free(self, seq: Sequence) -> None:
+        """Return ``seq``'s blocks; a block goes back to the free list when no sequence uses it."""
+        for block_id in reversed(seq.block_table):  # the tail first: it is the least likely to be shared
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_block_ids.append(block_id)   # keeps its hash: a later prompt may still hit it
+        seq.block_table, seq.num_cached_tokens = [], 0
+
+    def _take_free_block(self) -> int:
+        block = self.blocks[self.free_block_ids.popleft()]
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]      # its old contents are about to be overwritten
+        block.ref_count, block.hash, block.token_ids = 1, None, ()
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_used_blocks)
+        return block.block_id
+
+    def _register(self, block_id: int, h: int, token_ids) -> None:
+        if self.enable_prefix_caching:
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = h, tuple(token_ids)
+            self.hash_to_block_id[h] = block_id
