@@ -1,0 +1,84 @@
+"""Block manager and scheduler bookkeeping, without a model: blocks, reference counts, preemption."""
+from tplab.cache.block_manager import BlockManager
+from tplab.engine.sampling import SamplingParams
+from tplab.engine.scheduler import Scheduler
+from tplab.engine.sequence import Sequence
+
+
+def seq(i, tokens, max_tokens=8):
+    return Sequence(i, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens))
+
+
+def test_allocate_append_free_returns_every_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = seq(0, range(6))                                   # 6 tokens -> 2 blocks
+    bm.allocate(s)
+    assert len(s.block_table) == 2 and bm.num_used_blocks == 2
+    for t in range(3):                                     # tokens 7, 8 fit; token 9 starts block 3
+        s.token_ids.append(100 + t)
+        assert bm.can_append(s)
+        bm.may_append(s)
+    assert len(s.block_table) == 3
+    bm.free(s)
+    assert bm.num_used_blocks == 0 and s.block_table == [] and sorted(bm.free_block_ids) == list(range(8))
+
+
+def test_slots_of_a_sequence_are_distinct_and_in_its_blocks():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = seq(0, range(5)), seq(1, range(7))
+    bm.allocate(a)
+    bm.allocate(b)
+    assert not set(a.block_table) & set(b.block_table)
+
+
+def test_shared_prefix_blocks_are_reference_counted():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    prefix = list(range(100, 108))                          # two full blocks
+    a, b = seq(0, prefix + [1, 2]), seq(1, prefix + [3])
+    bm.allocate(a)
+    bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert [bm.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
+    assert bm.prefix_cache_hit_blocks == 2 and bm.num_used_blocks == 4
+    bm.free(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table[:2]] == [1, 1] and bm.num_used_blocks == 3
+    bm.free(b)
+    assert bm.num_used_blocks == 0
+    c = seq(2, prefix + [9])                                # freed blocks keep their hash: still a hit
+    bm.allocate(c)
+    assert c.num_cached_tokens == 8 and bm.prefix_cache_hit_blocks == 4
+
+
+def test_prefix_hit_needs_the_whole_chain_not_just_one_block():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    bm.allocate(seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    other = seq(1, [0, 0, 0, 0, 5, 6, 7, 8, 9])             # same second block, different first
+    bm.allocate(other)
+    assert other.num_cached_tokens == 0
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    bm.allocate(seq(0, range(8)))
+    again = seq(1, range(8))
+    bm.allocate(again)
+    assert again.num_cached_tokens == 4                     # the block holding the last token is recomputed
+
+
+def test_scheduler_preempts_newest_and_loses_nothing():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [seq(i, [i + 1, i + 2]) for i in range(3)]       # 1 block each
+    for s in seqs:
+        sched.add(s)
+    assert sched.schedule() == seqs                         # all three prefill in one step
+    for step in range(6):                                   # decode: each needs a new block every 2 tokens
+        batch = sched.schedule()
+        for s in batch:
+            s.num_cached_tokens = len(s)
+            s.token_ids.append(7)
+        assert bm.num_used_blocks <= bm.num_blocks
+    assert sched.num_preemptions > 0
+    assert seqs[2] in sched.waiting                         # the newest went back to the queue first
+    used = sum(len(s.block_table) for s in sched.running)
+    assert used == bm.num_used_blocks                       # no block leaked or double-owned
