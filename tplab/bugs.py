@@ -54,6 +54,12 @@ def positions_fn(names=()):
     return token_positions
 
 
+def weights_loader(names=()):
+    """The checkpoint loader (``tplab.loader.load_weights``), with the named bugs swapped in."""
+    from tplab.loader import load_weights
+    return load_weights
+
+
 def describe(name: str) -> str:
     """The pitfall a bug reproduces (its replacement's docstring)."""
     return _PARTS[check_names([name])[0]][1].__doc__.strip()

@@ -15,7 +15,6 @@ from tplab.engine.runner import ModelRunner
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
-from tplab.loader import load_weights
 from tplab.models.qwen2 import Qwen2ForCausalLM
 from tplab.parallel import tp_rank_and_size
 
@@ -40,7 +39,7 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
         torch.set_default_dtype(default_dtype)
     # HF omits a tied lm_head.weight when saving; some checkpoints keep it anyway.
     skip = frozenset({"lm_head.weight"}) if cfg.hf_config.tie_word_embeddings else frozenset()
-    load_weights(model, cfg.model, skip=skip)
+    bugs.weights_loader(cfg.bugs)(model, cfg.model, skip=skip)
     return model.eval()
 
 
