@@ -78,6 +78,7 @@ class EngineConfig:
     max_num_seqs: int = 16             # sequences in flight per step
     max_num_batched_tokens: int = 4096  # tokens per step (a longer prompt still runs alone)
     enable_prefix_caching: bool = False
+    check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
     hf_config: object = field(default=None, repr=False)
 
     def __post_init__(self):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from tplab import bugs
 from tplab.cache.block_manager import BlockManager
 from tplab.config import EngineConfig
+from tplab.engine.checks import install_finite_check
 from tplab.engine.runner import ModelRunner
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
@@ -74,6 +75,8 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig, device):
         self.cfg, self.device = cfg, torch.device(device)
         self.model = build_model(cfg, self.device)
+        if cfg.check_finite:
+            install_finite_check(self.model)
         self.runner = ModelRunner(self.model, self.device, cfg.torch_dtype, bugs.positions_fn(cfg.bugs))
         self.runner.allocate(num_kv_blocks(cfg, self.runner, self.device), cfg.block_size)
         self.eos_ids = eos_token_ids(cfg.hf_config)

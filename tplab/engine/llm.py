@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 from tplab.config import EngineConfig
+from tplab.dist import RankGroup, pick_backend, rank_device
 from tplab.engine import worker
+from tplab.engine.engine import LLMEngine
 from tplab.engine.sampling import SamplingParams
 
 
@@ -46,33 +48,35 @@ class LLM:
     def __init__(self, model, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0,
                  bugs=(), backend: str | None = None, timeout: float = 600.0, device: str | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False):
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
+                 check_finite: bool = False):
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.config = EngineConfig(str(model), tensor_parallel_size, dtype, seed, tuple(bugs or ()), device,
                                    block_size, num_kv_blocks, kv_cache_memory, max_num_seqs,
-                                   max_num_batched_tokens, enable_prefix_caching)
+                                   max_num_batched_tokens, enable_prefix_caching, check_finite)
         self.tokenizer = load_tokenizer(model)
         self.timeout = timeout
         self._group = self._engine = None
+        self._why_down = ""
         tp = tensor_parallel_size
         if dist.is_initialized():                       # torchrun: this process is one of the ranks
             if dist.get_world_size() != tp:
                 raise ValueError(f"tensor_parallel_size={tp} but the process group has {dist.get_world_size()} "
                                  f"ranks: pass tensor_parallel_size={dist.get_world_size()} under torchrun")
-            self.rank_info = [worker.start_engine(self.config)]
-            self._engine = worker
+            self._engine = LLMEngine(self.config, self.config.device or rank_device())
         elif tp == 1:                                   # one rank: this process
-            if self.config.device is None:
-                self.config.device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.rank_info = [worker.start_engine(self.config)]
-            self._engine = worker
+            pick_backend(1, backend)                    # still refuse a backend that could not run
+            self._engine = LLMEngine(self.config, self.config.device or ("cuda" if torch.cuda.is_available()
+                                                                         else "cpu"))
         else:
-            from tplab.dist import RankGroup
             self._group = RankGroup(tp, backend=backend, timeout=timeout)
-            try:
-                self.rank_info = self._group.run(worker.start_engine, (self.config,), timeout=timeout)
-            except BaseException:
-                self.shutdown()
-                raise
+        try:
+            self.rank_info = self._call_all(worker.start, self.config) if self._group else \
+                [worker.engine_info(self._engine)]
+        except BaseException:
+            self.shutdown()
+            raise
 
     @property
     def backend(self) -> str:
@@ -96,21 +100,27 @@ class LLM:
         return self._call(worker.stats)
 
     def _call(self, fn, *args):
-        """``fn(*args)`` on every rank (or here at TP 1); rank 0's answer."""
-        if self._engine is None and self._group is None:
-            raise RuntimeError("this LLM was shut down; create a new one")
-        if self._group is not None:
-            return self._group.run(fn, args, timeout=self.timeout)[0]
-        return fn(*args)
+        """``fn(*args)`` on every rank (or on this process's engine); rank 0's answer."""
+        if self._group is None:
+            if self._engine is None:
+                raise RuntimeError(f"this LLM was shut down{self._why_down}; create a new one")
+            return fn(*args, engine=self._engine)
+        return self._call_all(fn, *args)[0]
+
+    def _call_all(self, fn, *args) -> list:
+        try:
+            return self._group.run(fn, args, timeout=self.timeout)
+        except BaseException as e:  # RankGroup already stopped every rank; this LLM cannot go on
+            self._why_down = f" after {type(e).__name__} in a rank call"
+            self.shutdown()
+            raise
 
     def shutdown(self) -> None:
         """Stop the ranks (or drop the in-process engine) and free their memory."""
         if self._group is not None:
             self._group.close()
             self._group = None
-        if self._engine is not None:
-            worker.stop_engine()
-            self._engine = None
+        self._engine = None
 
     def __enter__(self):
         return self

@@ -19,19 +19,20 @@ class ModelRunner:
         self.model, self.device, self.dtype = model, device, dtype
         self.positions_fn = positions_fn
         attn = model.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        # Heads per token the cache holds: the KV heads (never their repeats for the query heads).
+        self.cache_heads, self.head_dim = attn.attn.cache_heads, attn.head_dim
         self.kv_caches, self.block_size = [], 0
 
     def bytes_per_block(self, block_size: int) -> int:
         """K and V of ``block_size`` tokens in every layer, for this rank's KV heads."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.model.model.layers) * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * len(self.model.model.layers) * block_size * self.cache_heads * self.head_dim * itemsize
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """Allocate the paged cache: per layer, K and V of ``(num_blocks, block_size, H_kv, D)``."""
         self.kv_caches = []  # free an old cache before allocating the new one
         self.kv_caches = allocate_kv_cache(len(self.model.model.layers), num_blocks, block_size,
-                                           self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                                           self.cache_heads, self.head_dim, self.dtype, self.device)
         self.num_blocks, self.block_size = num_blocks, block_size
 
     def kv_cache_bytes(self) -> int:

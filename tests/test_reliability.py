@@ -1,0 +1,132 @@
+"""Failure behaviour of LLM: dying ranks, interrupts and forgotten shutdowns never hang or leak."""
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import _thread
+
+import psutil
+import pytest
+
+from tplab import LLM, SamplingParams, launch, models
+from tplab.dist import RankError
+from tplab.engine.checks import NonFiniteError
+
+LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def slow_checkpoint(tmp_path_factory):
+    """Big enough that a 16-request generate takes seconds, so something can happen in the middle."""
+    return models.save_random_qwen2(tmp_path_factory.mktemp("slow"), hidden_size=256, intermediate_size=1024,
+                                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
+def rank_pids(llm):
+    return [p.pid for p in llm._group._ranks.procs]
+
+
+def gone(pids, within=10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def our_children():
+    # multiprocessing's resource tracker lives as long as this process; it is not a rank
+    return [c for c in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(c.cmdline())]
+
+
+def test_nan_in_a_rank_names_the_layer_and_rank_then_a_new_llm_works(checkpoint):
+    llm = LLM(checkpoint("gqa"), tensor_parallel_size=2, bugs=["mask_mul_inf"], check_finite=True)
+    with pytest.raises(RankError, match=r"rank \d failed: NonFiniteError: model.layers.0.self_attn produced"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="shut down after RankError"):
+        llm.generate([[1, 2, 3]])
+    with LLM(checkpoint("gqa"), tensor_parallel_size=2) as fresh:
+        assert len(fresh.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
+def test_finite_check_in_process_names_the_first_bad_sublayer(checkpoint):
+    with LLM(checkpoint("gqa"), bugs=["mask_mul_inf"], check_finite=True) as llm:
+        with pytest.raises(NonFiniteError, match=r"^model.layers.0.self_attn produced \d+ non-finite"):
+            llm.generate([[1, 2, 3]])
+
+
+def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint):
+    llm = LLM(slow_checkpoint, tensor_parallel_size=2, timeout=120)
+    pids = rank_pids(llm)
+    threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 died \(signal 9, SIGKILL\)"):
+        llm.generate([list(range(1, 40))] * 16, LONG)
+    assert time.monotonic() - start < 30 and gone(pids)
+    with LLM(slow_checkpoint, tensor_parallel_size=2) as fresh:
+        assert fresh.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_keyboard_interrupt_stops_the_ranks(slow_checkpoint):
+    llm = LLM(slow_checkpoint, tensor_parallel_size=2)
+    pids = rank_pids(llm)
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([list(range(1, 40))] * 16, LONG)
+    assert gone(pids)
+
+
+def test_many_cycles_leave_no_processes_ports_or_shared_memory(checkpoint):
+    me = psutil.Process()
+    before_fds, before_shm = me.num_fds(), set(os.listdir("/dev/shm"))
+    before_listen = {c.laddr for c in me.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    for _ in range(3):
+        with LLM(checkpoint("gqa"), tensor_parallel_size=2) as llm:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        assert launch(sum, 2, args=([1, 2],)) == [3, 3]
+    assert our_children() == []
+    assert {c.laddr for c in me.net_connections("tcp") if c.status == psutil.CONN_LISTEN} <= before_listen
+    assert set(os.listdir("/dev/shm")) <= before_shm
+    assert me.num_fds() <= before_fds + 2
+
+
+def test_garbage_collected_llm_stops_its_ranks(checkpoint):
+    llm = LLM(checkpoint("gqa"), tensor_parallel_size=2)
+    pids = rank_pids(llm)
+    del llm
+    gc.collect()
+    assert gone(pids)
+
+
+@pytest.mark.parametrize("ending", ["return", "sigkill"])
+def test_process_that_exits_without_shutdown_leaves_no_orphans(checkpoint, tmp_path, ending):
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from tplab import LLM
+        llm = LLM({str(checkpoint("gqa"))!r}, tensor_parallel_size=2)
+        print(" ".join(str(p.pid) for p in llm._group._ranks.procs), flush=True)
+        if {ending!r} == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2 and gone(pids), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(backend="nccl"), r"backend='nccl' needs one GPU per rank"),
+    (dict(tensor_parallel_size=2, backend="mpi"), r"backend must be one of"),
+    (dict(timeout=0), r"timeout must be a positive number"),
+    (dict(max_num_seqs=0), r"max_num_seqs must be a positive int"),
+    (dict(block_size=-4), r"block_size must be a positive int"),
+    (dict(num_kv_blocks=0), r"num_kv_blocks must be a positive int"),
+])
+def test_bad_engine_arguments_say_what_to_change(checkpoint, kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        LLM(checkpoint("gqa"), **kwargs)
+    assert our_children() == []
