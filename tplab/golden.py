@@ -111,6 +111,19 @@ def report(rows: list[Diff], tol: float = 1e-4) -> bool:
     return all(row.max_abs <= tol for row in rows)
 
 
+def cmp(name: str, mine: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> bool:
+    """Karpathy-style one-line check: ``name | exact | allclose | max_abs | ok``; True when within ``tol``."""
+    mine, ref = mine.detach().float().cpu(), ref.detach().float().cpu()
+    if mine.shape != ref.shape:
+        print(f"{name} | shapes differ: {tuple(mine.shape)} vs {tuple(ref.shape)} | DIFF")
+        return False
+    diff = (mine - ref).abs().max().item() if mine.numel() else 0.0
+    exact = torch.equal(mine, ref)
+    ok = diff <= tol  # NaN compares False, so a NaN never passes
+    print(f"{name} | exact {exact} | max_abs {diff:.1e} | {'ok' if ok else 'DIFF'}")
+    return ok
+
+
 def first_divergence(rows: list[Diff], tol: float = 1e-4) -> str | None:
     """The first activation (in forward order) that differs from the reference by more than ``tol``."""
     return next((r.name for r in rows if r.max_abs > tol), None)

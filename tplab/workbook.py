@@ -1,0 +1,57 @@
+"""Small conveniences every notebook uses: one place to pick the model, a deterministic setup,
+and a ledger of checks that the last cell asserts."""
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from tplab.dist import pick_backend
+
+
+def model_dir() -> Path:
+    """The model every notebook runs: ``$TPLAB_MODEL`` (a local HF folder, e.g. Qwen2.5-0.5B-Instruct)
+    when set, else the shipped tiny model."""
+    from tplab.models import tiny_stories
+    chosen = os.environ.get("TPLAB_MODEL")
+    return Path(chosen).expanduser() if chosen else tiny_stories()
+
+
+def setup(seed: int = 0) -> None:
+    """Seed everything, keep library progress bars and warnings out of cell outputs, say what runs where."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    torch.set_printoptions(precision=4, sci_mode=False)
+
+
+def backend_for(world_size: int) -> str:
+    """The backend ``tplab.launch`` picks for ``world_size`` ranks here: NCCL with a GPU per rank, else gloo."""
+    return pick_backend(world_size)
+
+
+class Checks:
+    """Every claim a notebook proves, recorded as it goes; ``assert_all()`` in the last cell.
+
+    ``checks("name", condition, "detail")`` prints ``name | detail | ok`` (or FAIL) and
+    asserts at once, so a broken claim stops the notebook where it is made.
+    """
+
+    def __init__(self):
+        self.results: dict[str, bool] = {}
+
+    def __call__(self, name: str, ok, detail: str = "") -> bool:
+        ok = bool(ok)
+        self.results[name] = ok
+        print(f"{name} | {detail + ' | ' if detail else ''}{'ok' if ok else 'FAIL'}")
+        assert ok, f"check failed: {name} {detail}"
+        return ok
+
+    def assert_all(self) -> None:
+        failed = [n for n, ok in self.results.items() if not ok]
+        assert self.results and not failed, f"failed checks: {failed}"
+        print(f"all {len(self.results)} checks held")
