@@ -2,12 +2,23 @@
 
 ``LLM(..., bugs=["mask_mul_inf"])`` builds the engine with these parts swapped in;
 the engine itself has no ``if bug:`` branches. Each replacement's docstring quotes
-the pitfall it reproduces.
+the pitfall it reproduces. A bug replaces one of: a field of
+``tplab.models.qwen2.Parts`` (attention, RoPE, the linear layers), the runner's
+``positions_fn`` (``tplab.engine.runner.token_positions``), or the checkpoint
+loader (``tplab.loader.load_weights``). Bugs that replace different things combine.
 """
 import dataclasses
+import functools
 
+import torch
 import torch.nn.functional as F
 
+from tplab.layers.attention import Attention
+from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from tplab.layers.weights import materialize
+
+
+# --- attention -------------------------------------------------------------------------------
 
 def mask_mul_inf_attend(q, k, v, visible, scale):
     """Causal mask built as ``triu(ones) * -inf`` and added to the scores.
@@ -22,6 +33,28 @@ def mask_mul_inf_attend(q, k, v, visible, scale):
     return F.softmax(scores + mask, dim=-1) @ v
 
 
+class RepeatedKVAttention(Attention):
+    """GQA attention that repeats K/V to the query head count *before* writing them to the cache.
+
+    Seed: "you repeat_interleave k/v to match Q heads, then return (k, v) as cache ... That will
+    explode KV size". The answers stay right (a repeated head holds the same numbers); the runner
+    allocates ``H`` heads per token instead of ``H_kv``, so with a fixed ``num_kv_blocks``
+    ``llm.stats()["kv_cache_bytes"]`` is ``H / H_kv`` times larger (with a fixed memory budget,
+    the cache holds ``H / H_kv`` times fewer tokens).
+    """
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, attend):
+        super().__init__(num_heads, num_kv_heads, head_dim, attend)
+        self.cache_heads = num_heads                                # the runner sizes the cache by this
+
+    def forward(self, q, k, v, kv_cache, meta):
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (T, H, D), cached so
+        return super().forward(q, k, v, kv_cache, meta)
+
+
+# --- RoPE ------------------------------------------------------------------------------------
+
 def no_rope_apply(q, k, cos, sin):
     """RoPE never applied: the model is blind to token order.
 
@@ -31,41 +64,201 @@ def no_rope_apply(q, k, cos, sin):
     return q, k
 
 
-# name -> (field of tplab.models.qwen2.Parts, replacement)
-_PARTS = {
-    "mask_mul_inf": ("attend", mask_mul_inf_attend),
-    "no_rope": ("apply_rope", no_rope_apply),
+def rope_layout_apply(q, k, cos, sin):
+    """RoPE that rotates interleaved pairs (x0, x1), (x2, x3), ... with HF's cos/sin, made for halves.
+
+    Seed: "rotary_emb returns cos/sin, you assume [B, S, D] and that it broadcasts ... relying on
+    broadcasting happening to line up produces silent errors" (靠"广播刚好对上"会产生 silent 错误).
+    Here the shapes do line up: cos/sin ``(T, 1, D)`` broadcast over q ``(T, H, D)`` for every batch.
+    The layout of D does not: HF's table is ``cat(freqs, freqs)``, which pairs x_i with x_{i + D/2}
+    (``rotate_half``, GPT-NeoX style); this is the GPT-J / Meta LLaMA rotation, written for a table
+    of repeated pairs ``(f0, f0, f1, f1, ...)``. Position 0 (cos 1, sin 0) still comes out right,
+    every later one is mixed wrongly, and nothing raises.
+    """
+    def rotate_pairs(x):                                            # (x0, x1, x2, ...) -> (-x1, x0, -x3, ...)
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                   # (T, 1, D)
+    return q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin
+
+
+# --- sharding --------------------------------------------------------------------------------
+
+class _NarrowsDim1:
+    """A checkpoint tensor whose ``narrow(0, start, rows)`` (out_features, right) cuts dim 1 instead.
+
+    The rank takes the same fraction of the *input* columns, ``(out, in * rows / out)``, and forces it
+    into its ``(rows, in)`` shard: the element counts agree, so a reshape fits it with no error."""
+
+    def __init__(self, loaded):
+        self.loaded, self.shape = loaded, tuple(loaded.shape)
+
+    def narrow(self, dim, start, rows):
+        if len(self.shape) == 1:                                    # a bias has no dim 1: sharded right
+            return self.loaded.narrow(dim, start, rows)
+        full, cols_in = self.shape                                  # (out_features, in_features)
+        cols = cols_in * rows // full                               # this rank's fraction, of the wrong dim
+        part = materialize(self.loaded.narrow(1, start * cols_in // full, cols))   # (full, cols)
+        return part.reshape(rows, cols_in)                          # forced into the (rows, in) shard
+
+
+class Dim1QKVParallelLinear(QKVParallelLinear):
+    """Fused q|k|v whose loader narrows the checkpoint on dim 1 (in_features), not dim 0.
+
+    Seed: "你当前的 loader 假设 fused QKV 的格式是 [hidden_size, (Q+K+V)*head_size]，然后按 dim=1 切分
+    ... HuggingFace/PyTorch 的 nn.Linear.weight 标准形状是 [out_features, in_features]": a
+    column-parallel layer must cut dim 0, the outputs. At TP 1 a narrow takes the whole tensor, so
+    the model is exact and the mistake hides; at TP 2 each rank holds input columns reshaped into
+    rows: it loads without an error and is wrong from the first attention on."""
+
+    def weight_loader(self, param, loaded, shard_id):
+        super().weight_loader(param, _NarrowsDim1(loaded), shard_id)
+
+
+class Dim1MergedColumnParallelLinear(MergedColumnParallelLinear):
+    """gate_proj | up_proj narrowed on dim 1, as ``Dim1QKVParallelLinear``.
+
+    Seed: "并且在 _shard_weight 里也是沿着 dim=1 narrow 来切分": the student's shared helper
+    cut dim 1 for every column-parallel weight."""
+
+    def weight_loader(self, param, loaded, shard_id):
+        super().weight_loader(param, _NarrowsDim1(loaded), shard_id)
+
+
+# --- positions -------------------------------------------------------------------------------
+
+def offby1_token_positions(seq):
+    """Decode positions one ahead of the cache: the new token gets ``len(seq)``, not ``len(seq) - 1``.
+
+    Seed: "cache 的长度必须严格等于'当前 position'所代表的历史长度，否则 attention 会看错位置"
+    (the cache length must strictly equal the current position), with the asserts it asked for:
+    ``assert k_cache.shape[2] == position_ids.item()``. ``build_metadata`` is that assert, so
+    generate raises a ValueError naming the position and the cache length. To see what the wrong
+    position does to the numbers without the check, call ``decode_with_positions``.
+    """
+    from tplab.engine.runner import token_positions
+    positions = token_positions(seq)
+    if not seq.output_token_ids:                                    # prefill: right
+        return positions
+    return [p + 1 for p in positions]                               # decode: len(seq), new token included
+
+
+def decode_with_positions(model_dir, prompt: list[int], position_shift: int = 1) -> torch.Tensor:
+    """Logits ``(vocab,)`` of decoding ``prompt[-1]`` at position ``len(prompt) - 1 + position_shift``.
+
+    Prefills ``prompt[:-1]``, then decodes the last token with its K/V in the right cache slot but
+    RoPE at the shifted position: what ``decode_position_offby1`` would compute if the engine did
+    not stop it. ``position_shift=0`` gives HF's logits for the last prompt token (TP 1, CPU).
+    """
+    from tplab.config import EngineConfig
+    from tplab.engine.engine import build_model
+    from tplab.engine.runner import ModelRunner
+    from tplab.layers.attention import build_metadata
+
+    n, cpu = len(prompt), torch.device("cpu")
+    cfg = EngineConfig(str(model_dir), device="cpu")
+    model = build_model(cfg, cpu)
+    runner = ModelRunner(model, cpu, cfg.torch_dtype)
+    runner.allocate(1, n)                                           # one block holds the whole sequence
+    with torch.inference_mode():
+        for start, end, shift in ((0, n - 1, 0), (n - 1, n, position_shift)):   # prefill, then decode one
+            meta = build_metadata([end - start], [end], [[0]], n, cpu)  # positions and slots from the cache
+            meta = dataclasses.replace(meta, positions=meta.positions + shift)  # RoPE moves, the slots stay
+            hidden = model(torch.tensor(prompt[start:end]), runner.kv_caches, meta)   # (T, E)
+        return model.compute_logits(hidden[-1:])[0]
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+def lm_head_missing_load(model, model_dir, skip=frozenset(), load=None):
+    """A loader that never fills ``lm_head``: tied or not, the head stays zeros, not the embedding.
+
+    Seed: "weight_loader.py 在没有 safetensors 的情况下会用 AutoModel.from_pretrained 加载 state_dict。
+    这通常不包含 lm_head ... logits head 没正确加载/没 tie embedding，就很容易出现'永远偏向某个
+    token'的坍缩" (AutoModel has no lm_head; a head neither loaded nor tied locks generation onto
+    one token). Every logit is 0: greedy picks token 0 forever at logprob ``-log(vocab)``, and no
+    error, since the state dict had no head to check."""
+    from tplab.loader import load_weights
+    head = model.lm_head
+    del head.weight                                                 # unties it from embed_tokens
+    # A buffer, not a parameter: as with AutoModel's state dict, nothing lists a head to load.
+    head.register_buffer("weight", torch.zeros_like(model.model.embed_tokens.weight))
+    return (load or load_weights)(model, model_dir, skip=frozenset(skip) | {"lm_head.weight"})
+
+
+def full_load_per_rank_load(model, model_dir, skip=frozenset()):
+    """Every rank reads the whole checkpoint (``safetensors.torch.load_file``), then narrows in memory.
+
+    Seed: "load_and_shard_state_dict currently loads the full state dict on every rank ...
+    memory-wise you still hold full tensors in wrapper.state_dict on each rank" (每 rank load 全量
+    state_dict, 不影响正确性). The answers are right; I/O and peak memory are not:
+    ``model.elements_read`` is the whole checkpoint on every rank, against about ``1 / tp_size`` of
+    it with ``tplab.loader.load_weights``, which reads slices (``safe_open(...).get_slice``)."""
+    from safetensors.torch import load_file
+    from tplab.loader import _target, checkpoint_files, default_weight_loader
+    params, model.elements_read = dict(model.named_parameters()), 0
+    for path in checkpoint_files(model_dir):
+        state_dict = load_file(path)                                # every tensor, whole, on this rank
+        model.elements_read += sum(t.numel() for t in state_dict.values())
+        for name, tensor in state_dict.items():
+            if name not in skip:
+                param_name, shard_id = _target(model, name)
+                param = params[param_name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+
+
+# --- the registry ----------------------------------------------------------------------------
+
+# name -> {what it replaces: replacement}: a field of Parts, "positions_fn" or "weights_loader".
+_BUGS = {
+    "mask_mul_inf": {"attend": mask_mul_inf_attend},
+    "no_rope": {"apply_rope": no_rope_apply},
+    "rope_layout": {"apply_rope": rope_layout_apply},
+    "shard_dim1": {"qkv_linear": Dim1QKVParallelLinear, "gate_up_linear": Dim1MergedColumnParallelLinear},
+    "kv_cache_repeated": {"attention": RepeatedKVAttention},
+    "decode_position_offby1": {"positions_fn": offby1_token_positions},
+    "lm_head_missing": {"weights_loader": lm_head_missing_load},
+    "full_load_per_rank": {"weights_loader": full_load_per_rank_load},
 }
-NAMES = tuple(_PARTS)
+NAMES = tuple(_BUGS)
 
 
 def check_names(names) -> list[str]:
-    """The bug names, or a ValueError listing the known ones."""
+    """The bug names, or a ValueError listing the known ones (or naming two that clash)."""
     names = [names] if isinstance(names, str) else list(names or ())
-    unknown = [n for n in names if n not in _PARTS]
+    unknown = [n for n in names if n not in _BUGS]
     if unknown:
         raise ValueError(f"unknown bug name(s) {unknown}; known: {list(NAMES)}")
+    taken = {}
+    for n in names:
+        for target in _BUGS[n]:
+            # the two loader bugs compose (lm_head_missing wraps the other); any other target holds one
+            if target != "weights_loader" and taken.setdefault(target, n) != n:
+                raise ValueError(f"bugs {taken[target]!r} and {n!r} both replace {target}: use one at a time")
     return names
-
-
-def positions_fn(names=()):
-    """The runner's token-position function, with the named bugs swapped in."""
-    from tplab.engine.runner import token_positions
-    return token_positions
-
-
-def weights_loader(names=()):
-    """The checkpoint loader (``tplab.loader.load_weights``), with the named bugs swapped in."""
-    from tplab.loader import load_weights
-    return load_weights
 
 
 def describe(name: str) -> str:
     """The pitfall a bug reproduces (its replacement's docstring)."""
-    return _PARTS[check_names([name])[0]][1].__doc__.strip()
+    return next(iter(_BUGS[check_names([name])[0]].values())).__doc__.strip()
 
 
 def parts_with(names=()):
     """``tplab.models.qwen2.Parts`` with the named bugs swapped in."""
     from tplab.models.qwen2 import Parts
-    return dataclasses.replace(Parts(), **dict(_PARTS[n] for n in check_names(names)))
+    fields = {f.name for f in dataclasses.fields(Parts)}
+    swaps = {t: part for n in check_names(names) for t, part in _BUGS[n].items() if t in fields}
+    return dataclasses.replace(Parts(), **swaps)
+
+
+def positions_fn(names=()):
+    """The runner's token-position function, with the named bugs swapped in."""
+    from tplab.engine.runner import token_positions
+    return offby1_token_positions if "decode_position_offby1" in check_names(names) else token_positions
+
+
+def weights_loader(names=()):
+    """The checkpoint loader (``tplab.loader.load_weights``), with the named bugs swapped in."""
+    from tplab.loader import load_weights
+    names = check_names(names)
+    load = full_load_per_rank_load if "full_load_per_rank" in names else load_weights
+    return functools.partial(lm_head_missing_load, load=load) if "lm_head_missing" in names else load

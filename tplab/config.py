@@ -1,6 +1,7 @@
 """Checkpoint and engine settings, validated up front so that bad input fails with a message
 that says what to change, before any rank starts."""
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,19 @@ from tplab.loader import checkpoint_files
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_model(model) -> Path:
+    """A local checkpoint folder for ``model``: the folder itself, or a hub id such as
+    ``Qwen/Qwen2.5-0.5B-Instruct`` downloaded (safetensors, config, tokenizer) where there is internet."""
+    path = Path(model).expanduser()
+    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+        return path
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        raise FileNotFoundError(f"{model} is not a local folder, and HF_HUB_OFFLINE is set so it cannot be "
+                                "downloaded: pass the folder of a downloaded checkpoint, or unset HF_HUB_OFFLINE")
+    from huggingface_hub import snapshot_download
+    return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
 
 
 def load_qwen2_config(model_dir):
@@ -82,7 +96,7 @@ class EngineConfig:
     hf_config: object = field(default=None, repr=False)
 
     def __post_init__(self):
-        self.model = str(self.model)
+        self.model = str(resolve_model(self.model))
         self.hf_config = self.hf_config or load_qwen2_config(self.model)
         check_tp_size(self.hf_config, self.tensor_parallel_size)
         self.torch_dtype = resolve_dtype(self.dtype, self.hf_config)

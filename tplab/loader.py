@@ -21,11 +21,12 @@ class CheckpointError(ValueError):
 
 class LazySlice:
     """A tensor in a safetensors file that is read only when ``materialize()`` is called,
-    and then only the part ``narrow`` selected."""
+    and then only the part ``narrow`` selected. ``reads`` collects the element count of every read."""
 
-    def __init__(self, file_slice, name: str, index: tuple[slice, ...] | None = None):
+    def __init__(self, file_slice, name: str, index: tuple[slice, ...] | None = None, reads: list | None = None):
         self._slice, self.name = file_slice, name
         self._index = index or tuple(slice(0, n) for n in file_slice.get_shape())
+        self.reads = [] if reads is None else reads      # shared with the slices narrowed from this one
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -39,10 +40,12 @@ class LazySlice:
         index = list(self._index)
         base = index[dim].start
         index[dim] = slice(base + start, base + start + length)
-        return LazySlice(self._slice, self.name, tuple(index))
+        return LazySlice(self._slice, self.name, tuple(index), self.reads)
 
     def materialize(self) -> torch.Tensor:
-        return self._slice[self._index]
+        tensor = self._slice[self._index]
+        self.reads.append(tensor.numel())
+        return tensor
 
 
 def checkpoint_files(model_dir) -> list[Path]:
@@ -84,9 +87,10 @@ def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()
     """Fill ``model``'s parameters from the checkpoint in ``model_dir``; returns the tensor names read.
 
     ``skip`` names checkpoint tensors to ignore (a tied ``lm_head.weight`` that was saved anyway).
+    Sets ``model.elements_read``: how many checkpoint elements this rank read from the files.
     """
     params = dict(model.named_parameters())
-    expected, seen = expected_checkpoint_names(model), set()
+    expected, seen, reads = expected_checkpoint_names(model), set(), []
     for path in checkpoint_files(model_dir):
         try:
             handle = safe_open(path, framework="pt")
@@ -103,7 +107,7 @@ def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()
                 param = params[param_name]
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 try:
-                    loader(param, LazySlice(f.get_slice(name), name), shard_id)
+                    loader(param, LazySlice(f.get_slice(name), name, reads=reads), shard_id)
                 except WeightShapeError as e:
                     raise WeightShapeError(f"{name} in {path.name}: {e} (does config.json match the weights?)") \
                         from None
@@ -112,4 +116,5 @@ def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s) the model needs: {shown}")
+    model.elements_read = sum(reads)  # about 1/tp_size of the checkpoint; compare bugs.full_load_per_rank
     return seen

@@ -55,7 +55,7 @@ class LLM:
         self.config = EngineConfig(str(model), tensor_parallel_size, dtype, seed, tuple(bugs or ()), device,
                                    block_size, num_kv_blocks, kv_cache_memory, max_num_seqs,
                                    max_num_batched_tokens, enable_prefix_caching, check_finite)
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(self.config.model)
         self.timeout = timeout
         self._group = self._engine = None
         self._why_down = ""
@@ -93,6 +93,21 @@ class LLM:
         results = self._call(worker.generate, token_lists, params)
         return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
                 for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
+
+    def chat_prompt(self, messages, system: str | None = None) -> str:
+        """A prompt in the checkpoint's chat template: ``messages`` is the user's text, or a list of
+        ``{"role": ..., "content": ...}``; the assistant's turn is opened for the model to continue."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"{self.config.model} has no tokenizer with a chat template")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, system: str | None = None):
+        """``generate`` on ``chat_prompt(messages)``; one ``RequestOutput``."""
+        return self.generate([self.chat_prompt(messages, system)], sampling_params)[0]
 
     def stats(self) -> dict:
         """Cache and scheduler counters of rank 0: num_preemptions, prefix_cache_hit_blocks,

@@ -22,6 +22,7 @@ def engine_info(engine=None) -> dict:
     """What the driver checks requests against, and what each rank holds."""
     engine = engine or _engine
     return {"param_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
+            "elements_read": getattr(engine.model, "elements_read", None),   # from the checkpoint files
             "num_kv_blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size}
 
 

@@ -96,6 +96,7 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, attend=sdpa_attend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.cache_heads = num_kv_heads     # heads per token the runner sizes the KV cache for
         self.scale = head_dim ** -0.5
         self.attend = attend
 

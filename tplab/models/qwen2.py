@@ -32,6 +32,7 @@ class Parts:
     qkv_linear: type = QKVParallelLinear        # fused q|k|v, column parallel by head
     gate_up_linear: type = MergedColumnParallelLinear
     row_linear: type = RowParallelLinear        # o_proj and down_proj
+    attention: type = Attention                 # writes K/V into the cache, then attends
 
 
 def head_dim_of(config) -> int:
@@ -50,7 +51,7 @@ class Qwen2Attention(nn.Module):
                                        tp_rank=tp_rank, tp_size=tp_size)
         theta, _ = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, parts.apply_rope)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, parts.attend)
+        self.attn = parts.attention(self.num_heads, self.num_kv_heads, head_dim, parts.attend)
 
     def forward(self, x, kv_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))             # (T, H D), (T, H_kv D), (T, H_kv D)

@@ -1,0 +1,94 @@
+"""Each seed pitfall in ``tplab.bugs`` leaves its own fingerprint against HF, and nothing else changes."""
+import math
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import hf_greedy
+from tplab import LLM, SamplingParams, bugs, golden
+from tplab.config import EngineConfig
+from tplab.engine.engine import build_model
+
+PROMPT = [3, 17, 42, 99, 5, 61, 200, 7, 150]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return golden.hf_activations(checkpoint("untied"), PROMPT)
+
+
+def bug_rows(checkpoint, reference, names, tp=1):
+    return golden.compare(reference, golden.tplab_activations(checkpoint("untied"), PROMPT, tp, bugs=names))
+
+
+def test_names_cover_the_seed_pitfalls_and_say_which():
+    assert set(bugs.NAMES) == {"mask_mul_inf", "no_rope", "rope_layout", "shard_dim1", "kv_cache_repeated",
+                               "decode_position_offby1", "lm_head_missing", "full_load_per_rank"}
+    assert all("Seed:" in bugs.describe(name) for name in bugs.NAMES)
+    with pytest.raises(ValueError, match=r"unknown bug name\(s\) \['nope'\]"):
+        bugs.parts_with(["nope"])
+    with pytest.raises(ValueError, match="'no_rope' and 'rope_layout' both replace apply_rope"):
+        bugs.check_names(["no_rope", "rope_layout"])
+
+
+@pytest.mark.parametrize("bug", ["mask_mul_inf", "no_rope", "rope_layout"])
+def test_attention_and_rope_bugs_diverge_at_the_first_attention(checkpoint, reference, bug):
+    rows = bug_rows(checkpoint, reference, [bug])
+    assert golden.first_divergence(rows) == "model.layers.0.self_attn"
+    assert (rows[2].nonfinite > 0) == (bug == "mask_mul_inf")       # NaN from 0 * -inf; RoPE bugs stay finite
+
+
+def test_shard_dim1_is_exact_at_tp1_and_wrong_at_tp2(checkpoint, reference):
+    assert golden.first_divergence(bug_rows(checkpoint, reference, ["shard_dim1"], tp=1)) is None
+    rows = bug_rows(checkpoint, reference, ["shard_dim1"], tp=2)    # loads without an error...
+    assert golden.first_divergence(rows) == "model.layers.0.self_attn" and rows[2].nonfinite == 0
+
+
+def test_kv_cache_repeated_keeps_the_tokens_and_multiplies_the_cache(checkpoint, hf_model):
+    folder = checkpoint("untied")                                   # 8 query heads, 2 KV heads
+    ref_tokens, _ = hf_greedy(hf_model(folder), PROMPT, GREEDY.max_tokens)
+    sizes = {}
+    for names in ([], ["kv_cache_repeated"]):
+        with LLM(folder, bugs=names, num_kv_blocks=4) as llm:
+            assert llm.generate([PROMPT], GREEDY)[0].token_ids == ref_tokens
+            sizes[bool(names)] = llm.stats()["kv_cache_bytes"]
+    assert sizes[True] == sizes[False] * 8 // 2
+
+
+def test_decode_position_offby1_is_refused_and_would_change_the_logits(checkpoint, reference):
+    with LLM(checkpoint("untied"), bugs=["decode_position_offby1"]) as llm:
+        with pytest.raises(ValueError, match=r"has position 6 but 5 tokens are cached before it"):
+            llm.generate([PROMPT[:5]], GREEDY)
+    hf_last = reference["logits"][-1]
+    right, shifted = (bugs.decode_with_positions(checkpoint("untied"), PROMPT, s) for s in (0, 1))
+    assert (right - hf_last).abs().max() <= 1e-4 < (shifted - hf_last).abs().max()
+
+
+@pytest.mark.parametrize("name", ["gqa", "untied"])                 # tied and untied checkpoints
+def test_lm_head_missing_collapses_the_output_without_an_error(checkpoint, hf_model, name):
+    model = build_model(EngineConfig(str(checkpoint(name)), 1, bugs=("lm_head_missing",)), "cpu")
+    assert model.lm_head.weight is not model.model.embed_tokens.weight and not model.lm_head.weight.any()
+    with LLM(checkpoint(name), bugs=["lm_head_missing"]) as llm:
+        out = llm.generate([PROMPT], GREEDY)[0]
+    assert len(set(out.token_ids)) == 1                             # one token forever
+    assert out.token_ids != hf_greedy(hf_model(checkpoint(name)), PROMPT, GREEDY.max_tokens)[0]
+    assert out.logprobs == pytest.approx([-math.log(model.config.vocab_size)] * GREEDY.max_tokens)
+
+
+def test_full_load_per_rank_reads_the_whole_checkpoint_on_every_rank(checkpoint, hf_model):
+    folder = checkpoint("gqa")
+    full = sum(t.numel() for t in load_file(folder / "model.safetensors").values())
+    read = {names: build_model(EngineConfig(str(folder), 2, bugs=names), "cpu", tp_rank=1, tp_size=2).elements_read
+            for names in ((), ("full_load_per_rank",))}
+    assert read[("full_load_per_rank",)] == full and read[()] < 0.6 * full
+    with LLM(folder, tensor_parallel_size=2, bugs=["full_load_per_rank"]) as llm:  # ...and the answers are right
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == hf_greedy(hf_model(folder), PROMPT, 8)[0]
+
+
+def test_bugs_combine(checkpoint, reference):
+    names = ["rope_layout", "shard_dim1", "kv_cache_repeated", "full_load_per_rank", "lm_head_missing",
+             "decode_position_offby1"]
+    mine = golden.tplab_activations(checkpoint("untied"), PROMPT, 1, bugs=names)
+    assert golden.first_divergence(golden.compare(reference, mine)) == "model.layers.0.self_attn"  # rope_layout
+    assert not mine["logits"].any()                                 # lm_head_missing: a head of zeros
