@@ -1,0 +1,40 @@
+"""Exercises: the learner writes a function in a notebook, a checker says whether it is right.
+
+Each notebook's module (``nb01`` ... ``nb06``) has ``check_<name>(fn)`` and a reference
+solution ``solution_<name>``. Checkers compare against tplab or HF on fixed inputs and
+report; they never print the solution. ``show_solution(nbXX.solution_name)`` does, for
+when you are stuck.
+"""
+import inspect
+
+NOT_DONE = "not attempted yet: fill in the function above and run this cell again"
+
+
+class ExerciseResult:
+    """Outcome of a checker: ``ok`` True/False, or None when the stub was left as it is."""
+
+    def __init__(self, name: str, ok: bool | None, message: str):
+        self.name, self.ok, self.message = name, ok, message
+
+    def __repr__(self):
+        mark = {True: "correct", False: "not right yet", None: "not attempted"}[self.ok]
+        return f"{self.name}: {mark} | {self.message}"
+
+
+def run_checker(name: str, fn, compare) -> ExerciseResult:
+    """Call ``compare(fn)`` -> (ok, message); a stub that raises NotImplementedError or returns
+    None counts as not attempted, any other exception as wrong (with the error shown)."""
+    try:
+        ok, message = compare(fn)
+    except NotImplementedError:
+        return ExerciseResult(name, None, NOT_DONE)
+    except Exception as e:  # a learner's bug: say what it was, do not crash the notebook
+        return ExerciseResult(name, False, f"raised {type(e).__name__}: {e}")
+    if ok is None:
+        return ExerciseResult(name, None, NOT_DONE)
+    return ExerciseResult(name, bool(ok), message)
+
+
+def show_solution(solution) -> None:
+    """Print a reference solution's source."""
+    print(inspect.getsource(solution))
