@@ -49,7 +49,7 @@ class ModelRunner:
         input_ids = torch.tensor([t for ts in new_tokens for t in ts], device=self.device)   # (T,)
         hidden = self.model(input_ids, self.kv_caches, meta)                                  # (T, E)
         last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1                     # (B,)
-        logits = self.model.compute_logits(hidden[last])                                     # (B, V)
+        logits = self.model.compute_logits(hidden.index_select(0, last))                                     # (B, V)
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for seq in seqs:
             seq.num_cached_tokens = len(seq)

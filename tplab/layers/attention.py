@@ -23,7 +23,7 @@ class AttentionMetadata:
     positions: torch.Tensor     # (T,)  position of each new token in its sequence
     slot_mapping: torch.Tensor  # (T,)  cache slot each new token's K/V is written to
     q_index: torch.Tensor       # (B, Lq) index into the T tokens of query i of sequence b (padded with 0)
-    q_valid: torch.Tensor       # (B, Lq) False on padding
+    q_packed: torch.Tensor      # (T,)  row of each new token in the flattened (B * Lq) query grid
     kv_slots: torch.Tensor      # (B, Lk) cache slot of key position j of sequence b (padded with a real slot)
     visible: torch.Tensor       # (B, 1, Lq, Lk) bool: True where query i may attend to key j
 
@@ -78,7 +78,7 @@ def build_metadata(query_lens: list[int], context_lens: list[int], block_tables:
     to = lambda t: t.to(device, non_blocking=True)
     return AttentionMetadata(
         positions=to(positions), slot_mapping=to(slots(positions, seq_of_token)),
-        q_index=to(q_index), q_valid=to(i[None, :] < ql[:, None]),
+        q_index=to(q_index), q_packed=to((i[None, :] < ql[:, None]).flatten().nonzero().flatten()),
         kv_slots=to(kv_slots), visible=to(causal_visible(ql, cl)))
 
 
@@ -105,9 +105,11 @@ class Attention(nn.Module):
         k_cache, v_cache = (c.flatten(0, 1) for c in kv_cache)      # (num_slots, H_kv, D) views
         k_cache.index_copy_(0, meta.slot_mapping, k)                # store the KV heads, not repeated ones
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        keys = k_cache[meta.kv_slots].transpose(1, 2)               # (B, H_kv, Lk, D)
-        values = v_cache[meta.kv_slots].transpose(1, 2)
-        queries = q[meta.q_index].transpose(1, 2)                   # (B, H, Lq, D)
-        out = self.attend(queries, keys, values, meta.visible, self.scale)  # (B, H, Lq, D)
-        out = out.transpose(1, 2)[meta.q_valid]                     # (T, H, D), packed order again
+        # index_select, not advanced indexing: the same gather, without its per-call overhead
+        b, lk = meta.kv_slots.shape
+        keys = k_cache.index_select(0, meta.kv_slots.flatten()).view(b, lk, *k.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, meta.kv_slots.flatten()).view(b, lk, *v.shape[1:]).transpose(1, 2)
+        queries = q.index_select(0, meta.q_index.flatten()).view(*meta.q_index.shape, *q.shape[1:])
+        out = self.attend(queries.transpose(1, 2), keys, values, meta.visible, self.scale)  # (B, H, Lq, D)
+        out = out.transpose(1, 2).flatten(0, 1).index_select(0, meta.q_packed)  # (T, H, D), packed order
         return out.flatten(1)                                       # (T, H * D)

@@ -58,6 +58,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cached", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos_cached[positions].to(q.dtype)                # (T, D)
-        sin = self.sin_cached[positions].to(q.dtype)
+        cos = self.cos_cached.index_select(0, positions).to(q.dtype)    # (T, D)
+        sin = self.sin_cached.index_select(0, positions).to(q.dtype)
         return self.apply_fn(q, k, cos, sin)
