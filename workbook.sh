@@ -26,7 +26,7 @@ case "$cmd" in
   lab)    setup; exec "$VENV/bin/jupyter" lab notebooks/ "$@" ;;
   test)   setup
           nb=(); compgen -G "notebooks/*.ipynb" >/dev/null && \
-            nb=(--nbval-lax --sanitize-with nbval_sanitize.cfg --nbval-cell-timeout 300 notebooks)
+            nb=(--nbval-lax --nbval-sanitize-with nbval_sanitize.cfg --nbval-cell-timeout 300 notebooks)
           exec "$VENV/bin/python" -m pytest tests "${nb[@]}" "$@" ;;
   python) setup; exec "$VENV/bin/python" "$@" ;;
   *)      sed -n '2,6p' "$0"; exit 2 ;;

@@ -38,7 +38,7 @@ def _capture(model, names, forward) -> dict[str, torch.Tensor]:
 
 
 def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor]:
-    """HF ``Qwen2ForCausalLM``'s activations (fp32, eager on CPU) for one prompt."""
+    """HF ``Qwen2ForCausalLM``'s activations (fp32 on CPU, HF's default attention) for one prompt."""
     from transformers import Qwen2ForCausalLM
     model = model_or_dir if isinstance(model_or_dir, torch.nn.Module) else \
         Qwen2ForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()

@@ -44,12 +44,12 @@ class Checks:
     def __init__(self):
         self.results: dict[str, bool] = {}
 
-    def __call__(self, name: str, ok, detail: str = "") -> bool:
+    def __call__(self, name: str, ok, detail: str = "") -> None:
+        # Returns None, so a cell ending in a check shows the check line and nothing else.
         ok = bool(ok)
         self.results[name] = ok
         print(f"{name} | {detail + ' | ' if detail else ''}{'ok' if ok else 'FAIL'}")
         assert ok, f"check failed: {name} {detail}"
-        return ok
 
     def assert_all(self) -> None:
         failed = [n for n, ok in self.results.items() if not ok]

@@ -1,0 +1,46 @@
+"""The notebook 01 checker accepts the reference causal mask and names what is wrong with plausible mistakes."""
+import torch
+
+from tplab.exercises import nb01
+
+
+def test_check_causal_mask_accepts_the_solution():
+    result = nb01.check_causal_mask(nb01.solution_causal_mask)
+    assert result.ok is True and "correct" in repr(result)
+
+
+def test_solution_equals_causal_visible_for_decode_and_prefix_shapes():
+    for q_len, k_len in [(1, 9), (5, 9), (9, 9)]:
+        assert torch.equal(nb01.solution_causal_mask(q_len, k_len), nb01.reference_mask(q_len, k_len))
+
+
+def test_check_causal_mask_reports_a_stub_as_not_attempted():
+    def stub(q_len, k_len):
+        raise NotImplementedError
+    result = nb01.check_causal_mask(stub)
+    assert result.ok is None and "not attempted" in repr(result)
+
+
+def test_check_causal_mask_rejects_tril_without_the_decode_offset():
+    result = nb01.check_causal_mask(lambda q, k: torch.ones(q, k, dtype=torch.bool).tril())
+    assert result.ok is False and "no offset" in result.message
+
+
+def test_check_causal_mask_rejects_the_inverted_mask():
+    result = nb01.check_causal_mask(lambda q, k: ~nb01.solution_causal_mask(q, k))
+    assert result.ok is False and "inverted" in result.message
+
+
+def test_check_causal_mask_rejects_the_float_mask_of_the_seeds():
+    result = nb01.check_causal_mask(lambda q, k: torch.triu(torch.ones(q, k), 1) * float("-inf"))
+    assert result.ok is False and "0 * -inf = NaN" in result.message
+
+
+def test_check_causal_mask_rejects_a_hidden_diagonal():
+    result = nb01.check_causal_mask(lambda q, k: torch.ones(q, k, dtype=torch.bool).tril(k - q - 1))
+    assert result.ok is False and "diagonal" in result.message
+
+
+def test_check_causal_mask_reports_a_crash_as_wrong_not_as_an_exception():
+    result = nb01.check_causal_mask(lambda q, k: torch.ones(q, q, dtype=torch.bool).tril()[:, :k].view(k, -1))
+    assert result.ok is False and "raised RuntimeError" in result.message

@@ -1,0 +1,51 @@
+"""The notebook 03 checker accepts RoPE in tplab's layout and catches layouts that broadcast silently wrong."""
+import torch
+
+from tplab.exercises import nb03
+from tplab.layers.rotary import apply_rotary
+
+
+def test_check_apply_rope_accepts_the_solution():
+    result = nb03.check_apply_rope(nb03.solution_apply_rope)
+    assert result.ok is True and "correct" in repr(result)
+
+
+def test_check_apply_rope_accepts_tplabs_apply_rotary():
+    result = nb03.check_apply_rope(lambda x, cos, sin: apply_rotary(x, x, cos, sin)[0])
+    assert result.ok is True
+
+
+def test_hf_reference_is_hf_apply_rotary_pos_emb_in_hfs_layout():
+    x = torch.randn(6, 2, 8)
+    cos, sin = nb03.rope_table(torch.arange(6), 8)
+    assert torch.allclose(nb03.hf_reference(x, cos, sin), nb03.solution_apply_rope(x, cos, sin), atol=1e-6)
+
+
+def test_check_apply_rope_reports_a_stub_as_not_attempted():
+    def stub(x, cos, sin):
+        raise NotImplementedError
+    result = nb03.check_apply_rope(stub)
+    assert result.ok is None and "not attempted" in repr(result)
+
+
+def test_check_apply_rope_reports_the_missing_head_axis_as_silent_where_it_broadcasts():
+    def no_head_axis(x, cos, sin):                  # (T, H, D) * (T, D): runs when T == H, or T == 1
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    result = nb03.check_apply_rope(no_head_axis)
+    assert result.ok is False
+    assert "T=4, H=4, D=8: ran without an error but the numbers are wrong (silent)" in result.message
+    assert "heads axis" in result.message and "errors for some shapes and silently" in result.message
+
+
+def test_check_apply_rope_names_the_interleaved_layout():
+    def interleaved(x, cos, sin):
+        pairs = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+        return x * cos[:, None] + pairs * sin[:, None]
+    result = nb03.check_apply_rope(interleaved)
+    assert result.ok is False and "rope_layout" in result.message and "silent" in result.message
+
+
+def test_check_apply_rope_names_no_rotation():
+    result = nb03.check_apply_rope(lambda x, cos, sin: x)
+    assert result.ok is False and "no_rope" in result.message

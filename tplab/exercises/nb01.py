@@ -1,0 +1,66 @@
+"""Notebook 01 (the causal-mask NaN): write the causal mask as booleans.
+
+``causal_mask(q_len, k_len)`` -> ``(q_len, k_len)`` bool, True where query i may see key j.
+The queries are the *last* ``q_len`` of ``k_len`` positions (a decode step, or a prefill
+after a cached prefix), so query i sits at position ``k_len - q_len + i`` and sees keys
+``j <= k_len - q_len + i``. Checked against ``tplab.layers.attention.causal_visible``.
+"""
+import torch
+
+from tplab.exercises import run_checker
+from tplab.layers.attention import causal_visible
+
+# (q_len, k_len): prefill, a single token, decode steps, a chunk after a cached prefix
+CASES = [(4, 4), (1, 1), (7, 7), (1, 6), (3, 8), (2, 5)]
+
+
+def reference_mask(q_len: int, k_len: int) -> torch.Tensor:
+    """tplab's mask for one sequence: ``(q_len, k_len)`` bool."""
+    return causal_visible(torch.tensor([q_len]), torch.tensor([k_len]))[0, 0]
+
+
+def solution_causal_mask(q_len: int, k_len: int) -> torch.Tensor:
+    """Query i is at position ``k_len - q_len + i`` and sees every key at or before it."""
+    i = torch.arange(q_len)[:, None]                     # (q_len, 1)
+    j = torch.arange(k_len)[None, :]                     # (1, k_len)
+    return j <= (k_len - q_len) + i                      # (q_len, k_len) bool
+
+
+def _diagnose(mine: torch.Tensor, ref: torch.Tensor, q_len: int, k_len: int) -> str:
+    """Why ``mine`` differs from ``ref``, in words a learner can act on."""
+    where = f"q_len={q_len}, k_len={k_len}"
+    if torch.equal(mine, ~ref):
+        return f"{where}: inverted; True must mean *visible* (the keys a query may attend to)"
+    no_offset = torch.ones(q_len, k_len, dtype=torch.bool).tril()
+    if q_len < k_len and torch.equal(mine, no_offset):
+        return (f"{where}: this is tril() with no offset; the queries are the last q_len of k_len positions, "
+                f"so query i is at position k_len - q_len + i = {k_len - q_len} + i (tril(diagonal=k_len - q_len))")
+    diagonal = torch.arange(k_len)[None, :] == (k_len - q_len) + torch.arange(q_len)[:, None]
+    if torch.equal(mine, ref & ~diagonal):
+        return f"{where}: the diagonal is hidden; a token must see itself (j <= its own position)"
+    row = int((mine != ref).any(1).nonzero()[0])
+    return (f"{where}: row {row} (query at position {k_len - q_len + row}) sees keys "
+            f"{mine[row].nonzero().flatten().tolist()}, expected {ref[row].nonzero().flatten().tolist()}")
+
+
+def _compare(fn):
+    for q_len, k_len in CASES:
+        mine = fn(q_len, k_len)
+        if mine is None:
+            return None, ""
+        if not isinstance(mine, torch.Tensor):
+            return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
+        if mine.dtype != torch.bool:
+            return False, (f"dtype {mine.dtype}: return booleans. A float mask built by multiplying "
+                           "by -inf is exactly the bug (0 * -inf = NaN); apply bools with masked_fill")
+        if tuple(mine.shape) != (q_len, k_len):
+            return False, f"q_len={q_len}, k_len={k_len}: shape {tuple(mine.shape)}, expected {(q_len, k_len)}"
+        ref = reference_mask(q_len, k_len)
+        if not torch.equal(mine, ref):
+            return False, _diagnose(mine, ref, q_len, k_len)
+    return True, f"equal to causal_visible on {len(CASES)} (q_len, k_len) cases, prefill and decode"
+
+
+def check_causal_mask(fn):
+    """Compare ``fn(q_len, k_len)`` with ``causal_visible`` for prefill, decode and cached-prefix shapes."""
+    return run_checker("causal_mask", fn, _compare)

@@ -1,0 +1,118 @@
+"""Notebook 03 (RoPE shapes): rotate q or k in tplab's layout.
+
+``apply_rope(x, cos, sin)``: x ``(T, H, D)`` (tokens, heads, head_dim), cos/sin ``(T, D)``
+(one row per token, HF's halves layout ``cat(freqs, freqs)``); returns x rotated, ``(T, H, D)``.
+Checked against HF's ``apply_rotary_pos_emb``, which wants q/k as ``(B, H, T, D)``, on random
+inputs, including shapes where a wrong layout broadcasts without an error (T == H, T == 1).
+"""
+import torch
+
+from tplab.exercises import run_checker
+
+# (T, H, D): a general prefill, T == H (a wrong axis still broadcasts), one decode token, one head
+CASES = [(5, 3, 8), (4, 4, 8), (1, 2, 16), (6, 1, 8)]
+TOL = 1e-5
+
+
+def rope_table(positions: torch.Tensor, head_dim: int, base: float = 10000.0):
+    """cos, sin ``(T, D)`` for ``positions`` ``(T,)``, HF's layout: ``cat(freqs, freqs)``."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]          # (T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                          # (T, D)
+    return emb.cos(), emb.sin()
+
+
+def hf_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``apply_rotary_pos_emb`` on x ``(T, H, D)``: as ``(1, H, T, D)`` with cos ``(1, T, D)``, and back."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+    q = x.transpose(0, 1)[None]                                      # (1, H, T, D), HF's layout
+    out, _ = apply_rotary_pos_emb(q, q, cos[None], sin[None], unsqueeze_dim=1)  # cos -> (1, 1, T, D)
+    return out[0].transpose(0, 1)                                    # (T, H, D)
+
+
+def solution_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Give cos/sin a head axis so they line up with tokens, then rotate the two halves of D."""
+    cos, sin = cos[:, None, :], sin[:, None, :]                      # (T, 1, D): same for every head
+    x1, x2 = x.chunk(2, dim=-1)                                      # (T, H, D/2) each
+    rotated = torch.cat((-x2, x1), dim=-1)                           # rotate_half: pairs (x_i, x_{i+D/2})
+    return x * cos + rotated * sin                                   # (T, H, D)
+
+
+def _rotate_pairs(x):                                                # interleaved: (x0, x1) -> (-x1, x0)
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _known_mistakes(x, cos, sin):
+    """name -> (what it computes, what to tell the learner)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    mistakes = {
+        "no rotation": (x, "returned x unchanged: no rotation at all (the `no_rope` bug)"),
+        "interleaved": (x * c + _rotate_pairs(x) * s,
+                        "rotates interleaved pairs (x0, x1), (x2, x3), ...; HF's table is cat(freqs, freqs), "
+                        "which pairs x_i with x_{i + D/2} (rotate_half): the `rope_layout` bug"),
+        "sign": (x * c - _rotate_half(x) * s, "rotates the wrong way: the sign of the sin term is flipped"),
+    }
+    if x.shape[0] == x.shape[1]:                                     # T == H: (T, D) broadcasts as (1, T, D)
+        mistakes["heads axis"] = (x * cos + _rotate_half(x) * sin,
+                                  "cos/sin (T, D) broadcast against (T, H, D) as (1, T, D), i.e. along the "
+                                  "heads axis, not the tokens: give them a head axis, cos[:, None, :]")
+    return mistakes
+
+
+def _run_case(fn, T, H, D, gen):
+    """(status, detail) for one shape: 'ok', 'raised', 'shape' or 'silent' (ran, wrong numbers)."""
+    x = torch.randn(T, H, D, generator=gen)
+    positions = torch.randint(0, 200, (T,), generator=gen)
+    cos, sin = rope_table(positions, D)
+    ref = hf_reference(x, cos, sin)
+    try:
+        mine = fn(x.clone(), cos.clone(), sin.clone())
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        return "raised", f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    if mine is None:
+        return None, ""
+    if not isinstance(mine, torch.Tensor) or tuple(mine.shape) != (T, H, D):
+        shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
+        return "shape", f"returned {shape}, expected {(T, H, D)}: cos/sin broadcast to the wrong shape"
+    err = float((mine.float() - ref).abs().max())
+    if err <= TOL:
+        return "ok", f"max_abs {err:.1e}"
+    for expected, why in _known_mistakes(x, cos, sin).values():
+        if torch.allclose(mine.float(), expected, atol=TOL):
+            return "silent", why
+    return "silent", f"max_abs {err:.1e} against HF"
+
+
+def _compare(fn):
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+    for T, H, D in CASES:
+        status, detail = _run_case(fn, T, H, D, gen)
+        if status is None:
+            return None, ""
+        results[(T, H, D)] = (status, detail)
+    bad = {shape: r for shape, r in results.items() if r[0] != "ok"}
+    if not bad:
+        return True, f"equal to HF's apply_rotary_pos_emb on {len(CASES)} shapes (T, H, D), T == H and T == 1 included"
+    lines = []
+    for (T, H, D), (status, detail) in bad.items():
+        where = f"T={T}, H={H}, D={D}"
+        if status == "silent":
+            lines.append(f"{where}: ran without an error but the numbers are wrong (silent): {detail}")
+        else:
+            lines.append(f"{where}: {detail}")
+    if any(s == "silent" for s, _ in bad.values()) and any(s != "silent" for s, _ in bad.values()):
+        lines.append("the same code errors for some shapes and silently broadcasts wrong for others")
+    return False, "\n  ".join(lines)
+
+
+def check_apply_rope(fn):
+    """Compare ``fn(x (T, H, D), cos (T, D), sin (T, D))`` with HF's ``apply_rotary_pos_emb``."""
+    return run_checker("apply_rope", fn, _compare)
