@@ -4,6 +4,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -109,3 +110,11 @@ class EngineConfig:
                 _positive_int(name, getattr(self, name))
         from tplab import bugs
         self.bugs = tuple(bugs.check_names(self.bugs))
+
+    def __getstate__(self):
+        # Ranks need the config's numbers, not its class: a plain namespace spares every spawned
+        # rank the import of transformers (a second or more of start-up each).
+        state = dict(self.__dict__)
+        if hasattr(state["hf_config"], "to_dict"):
+            state["hf_config"] = SimpleNamespace(**state["hf_config"].to_dict())
+        return state

@@ -1,0 +1,36 @@
+"""The notebook 04 checker accepts a right repeat_kv and names the classic mistakes."""
+import torch
+
+from tplab.exercises import nb04
+
+
+def test_check_repeat_kv_accepts_the_solution():
+    result = nb04.check_repeat_kv(nb04.solution_repeat_kv)
+    assert result.ok is True and "correct" in repr(result)
+
+
+def test_check_repeat_kv_accepts_repeat_interleave():
+    result = nb04.check_repeat_kv(lambda k, n: k.repeat_interleave(n, dim=1))
+    assert result.ok is True
+
+
+def test_solution_equals_hf_repeat_kv():
+    k = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(nb04.solution_repeat_kv(k, 2), nb04.hf_repeat_kv(k, 2))
+
+
+def test_check_repeat_kv_reports_a_stub_as_not_attempted():
+    def stub(k, n_rep):
+        raise NotImplementedError
+    result = nb04.check_repeat_kv(stub)
+    assert result.ok is None and "not attempted" in repr(result)
+
+
+def test_check_repeat_kv_rejects_repeat_instead_of_repeat_interleave():
+    result = nb04.check_repeat_kv(lambda k, n: k.repeat(1, n, 1, 1))
+    assert result.ok is False and "that is `repeat`" in result.message and "[0, 0, 1, 1]" in result.message
+
+
+def test_check_repeat_kv_rejects_repeating_the_wrong_dimension():
+    result = nb04.check_repeat_kv(lambda k, n: k.repeat_interleave(n, dim=2))
+    assert result.ok is False and "shape" in result.message

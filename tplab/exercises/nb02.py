@@ -1,0 +1,81 @@
+"""Notebook 02 (column and row sharding): cut one rank's shard out of an ``nn.Linear.weight``.
+
+``shard(weight, rank, tp, kind)``: ``weight`` is ``(out_features, in_features)``; ``kind`` is
+``"column"`` (split dim 0, the outputs: each rank computes a slice of y) or ``"row"`` (split
+dim 1, the inputs: each rank produces a partial sum). Returns rank ``rank``'s ``(out / tp, in)``
+or ``(out, in / tp)`` piece. Checked against the weights tplab's ``ColumnParallelLinear`` and
+``RowParallelLinear`` hold after their ``weight_loader`` has narrowed the same tensor.
+"""
+import torch
+
+from tplab.exercises import run_checker
+from tplab.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+OUT_FEATURES, IN_FEATURES = 12, 8       # not square, so a transposed or swapped shard shows in its shape
+TP_SIZES = (1, 2, 4)
+LAYERS = {"column": ColumnParallelLinear, "row": RowParallelLinear}
+
+
+def checker_weight() -> torch.Tensor:
+    """The fixed ``(out_features, in_features)`` weight the checker shards: entry (i, j) is ``i + j / 100``,
+    so a number tells its row and column."""
+    rows = torch.arange(OUT_FEATURES, dtype=torch.float32)[:, None]
+    cols = torch.arange(IN_FEATURES, dtype=torch.float32)[None, :]
+    return rows + cols / 100
+
+
+def reference_shard(weight: torch.Tensor, rank: int, tp: int, kind: str) -> torch.Tensor:
+    """The weight tplab's layer of ``kind`` holds on ``rank`` after loading ``weight``."""
+    out_features, in_features = weight.shape
+    layer = LAYERS[kind](in_features, out_features, bias=False, tp_rank=rank, tp_size=tp)
+    layer.weight.weight_loader(layer.weight, weight)
+    return layer.weight.data
+
+
+def solution_shard(weight: torch.Tensor, rank: int, tp: int, kind: str) -> torch.Tensor:
+    """Column parallel splits dim 0 (out_features), row parallel splits dim 1 (in_features)."""
+    dim = {"column": 0, "row": 1}[kind]
+    size = weight.shape[dim] // tp                       # rows (column) or columns (row) per rank
+    return weight.narrow(dim, rank * size, size)         # (out / tp, in) or (out, in / tp)
+
+
+def _diagnose(mine: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor, rank: int, tp: int, kind: str) -> str:
+    where = f"{kind} shard, rank {rank} of tp {tp}"
+    other = "row" if kind == "column" else "column"
+    if torch.equal(mine, reference_shard(weight, rank, tp, other)):
+        dim, right = (1, 0) if kind == "column" else (0, 1)
+        return (f"{where}: this is the {other} shard (dim {dim}); nn.Linear.weight is (out_features, "
+                f"in_features), so a {kind}-parallel layer splits dim {right}")
+    if tuple(mine.shape) != tuple(ref.shape):
+        return f"{where}: shape {tuple(mine.shape)}, tplab's layer holds {tuple(ref.shape)}"
+    if kind == "column":
+        cols = weight.shape[1] // tp                     # the seeds' loader: narrow dim 1, reshape to fit
+        if torch.equal(mine, weight.narrow(1, rank * cols, cols).reshape(ref.shape)):
+            return (f"{where}: input columns reshaped into the shard's rows (the seeds' shard_dim1 bug): "
+                    "the shape fits, the numbers belong to other outputs; narrow dim 0")
+    i, j = (int(x) for x in (mine != ref).nonzero()[0])
+    return (f"{where}: entry ({i}, {j}) is {float(mine[i, j]):.2f}, expected {float(ref[i, j]):.2f} "
+            "(the checker's entry (i, j) is i + j / 100: whole part = row, decimals = column of the full weight)")
+
+
+def _compare(fn):
+    weight, count = checker_weight(), 0
+    for kind in ("column", "row"):
+        for tp in TP_SIZES:
+            for rank in range(tp):
+                mine = fn(weight.clone(), rank, tp, kind)
+                if mine is None:
+                    return None, ""
+                if not isinstance(mine, torch.Tensor):
+                    return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
+                ref = reference_shard(weight, rank, tp, kind)
+                if not torch.equal(mine, ref):
+                    return False, _diagnose(mine, ref, weight, rank, tp, kind)
+                count += 1
+    return True, (f"equal to ColumnParallelLinear / RowParallelLinear loaded weights: {count} shards of a "
+                  f"({OUT_FEATURES}, {IN_FEATURES}) weight at tp {', '.join(map(str, TP_SIZES))}")
+
+
+def check_shard(fn):
+    """Compare ``fn(weight, rank, tp, kind)`` with tplab's column and row parallel layers' loaded shards."""
+    return run_checker("shard", fn, _compare)

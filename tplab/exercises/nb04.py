@@ -1,0 +1,64 @@
+"""Notebook 04 (the GQA KV cache): repeat the KV heads for the score computation.
+
+``repeat_kv(k, n_rep)``: k ``(B, H_kv, T, D)`` -> ``(B, H_kv * n_rep, T, D)`` where query head
+``h`` reads KV head ``h // n_rep``: each KV head is copied ``n_rep`` times *in place*
+(heads 0, 0, 1, 1, ...), not the whole set tiled (0, 1, 0, 1, ...). Checked against HF's
+``transformers.models.qwen2.modeling_qwen2.repeat_kv``.
+"""
+import torch
+
+from tplab.exercises import run_checker
+
+# (B, H_kv, T, D, n_rep): GQA groups of 2 and 3, MQA (one KV head), no repeat, a batch of 2
+CASES = [(1, 2, 5, 4, 2), (2, 3, 4, 2, 2), (1, 2, 3, 4, 3), (1, 1, 4, 2, 4), (2, 4, 3, 2, 1)]
+
+
+def hf_repeat_kv(k: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """HF Qwen2's own ``repeat_kv``."""
+    from transformers.models.qwen2.modeling_qwen2 import repeat_kv
+    return repeat_kv(k, n_rep)
+
+
+def checker_kv(b: int, h_kv: int, t: int, d: int) -> torch.Tensor:
+    """A fixed ``(B, H_kv, T, D)`` tensor whose KV head ``g`` holds the value ``g`` plus a small ramp,
+    so every head is told apart by its whole part."""
+    ramp = torch.arange(b * t * d, dtype=torch.float32).reshape(b, 1, t, d) / (b * t * d)
+    return torch.arange(h_kv, dtype=torch.float32)[None, :, None, None] + ramp
+
+
+def solution_repeat_kv(k: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Each KV head serves ``n_rep`` consecutive query heads: copy it in place, ``n_rep`` times."""
+    b, h_kv, t, d = k.shape
+    k = k[:, :, None, :, :].expand(b, h_kv, n_rep, t, d)  # (B, H_kv, n_rep, T, D), a view: nothing copied yet
+    return k.reshape(b, h_kv * n_rep, t, d)              # (B, H_kv * n_rep, T, D); = k.repeat_interleave(n_rep, 1)
+
+
+def _heads(x: torch.Tensor) -> list[int]:
+    """Which KV head each output head came from (the whole part of the checker's values)."""
+    return x[0, :, 0, 0].floor().int().tolist()
+
+
+def _compare(fn):
+    for b, h_kv, t, d, n_rep in CASES:
+        k = checker_kv(b, h_kv, t, d)
+        mine = fn(k.clone(), n_rep)
+        if mine is None:
+            return None, ""
+        if not isinstance(mine, torch.Tensor):
+            return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
+        ref = hf_repeat_kv(k, n_rep)
+        where = f"H_kv={h_kv}, n_rep={n_rep}"
+        if tuple(mine.shape) != tuple(ref.shape):
+            return False, f"{where}: shape {tuple(mine.shape)}, expected (B, H_kv * n_rep, T, D) = {tuple(ref.shape)}"
+        if not torch.equal(mine, ref):
+            if torch.equal(mine, k.repeat(1, n_rep, 1, 1)):
+                return False, (f"{where}: heads come out as KV heads {_heads(mine)}: that is `repeat`, which tiles "
+                               f"the whole set; query head h reads KV head h // n_rep, so the order must be "
+                               f"{_heads(ref)} (`repeat_interleave`, or expand + reshape)")
+            return False, f"{where}: heads come from KV heads {_heads(mine)}, expected {_heads(ref)}"
+    return True, f"equal to HF's repeat_kv on {len(CASES)} shapes (GQA, MQA, n_rep 1)"
+
+
+def check_repeat_kv(fn):
+    """Compare ``fn(k, n_rep)`` with HF Qwen2's ``repeat_kv`` on GQA, MQA and no-repeat shapes."""
+    return run_checker("repeat_kv", fn, _compare)
