@@ -1,0 +1,29 @@
+"""The notebook 06 checker accepts the solution, rejects plausible mistakes, and reports a stub."""
+from tplab.exercises import nb06
+
+
+def test_vocab_shard_range_solution_is_correct():
+    result = nb06.check_vocab_shard_range(nb06.solution_vocab_shard_range)
+    assert result.ok is True, result
+
+
+def test_vocab_shard_range_rejects_floor_division():
+    def wrong(vocab_size, rank, tp):                      # no padding: rows past tp * (vocab // tp) are lost
+        per_rank = vocab_size // tp
+        return rank * per_rank, (rank + 1) * per_rank
+    result = nb06.check_vocab_shard_range(wrong)
+    assert result.ok is False and "VocabParallelEmbedding holds rows" in result.message
+
+
+def test_vocab_shard_range_rejects_unclamped_end():
+    def wrong(vocab_size, rank, tp):                      # the last rank's padding counted as real rows
+        per_rank = -(-vocab_size // tp)
+        return rank * per_rank, (rank + 1) * per_rank
+    assert nb06.check_vocab_shard_range(wrong).ok is False
+
+
+def test_vocab_shard_range_stub_is_not_attempted():
+    def stub(vocab_size, rank, tp):
+        raise NotImplementedError
+    result = nb06.check_vocab_shard_range(stub)
+    assert result.ok is None and "not attempted" in repr(result)

@@ -1,0 +1,53 @@
+"""Exercises of notebook 05 (paged attention): where each token's K/V live in the paged cache.
+
+``check_slot_mapping(fn)`` compares the learner's ``fn(block_table, positions, block_size)``
+with the ``slot_mapping`` that ``tplab.layers.attention.build_metadata`` computes for the
+engine, on fixed sequences: a prefill, a decode step, a prompt after a prefix-cache hit,
+block tables in any order.
+"""
+import torch
+
+from tplab.exercises import ExerciseResult, run_checker
+from tplab.layers.attention import build_metadata
+
+# (block_table, first new position, context length, block_size): the new tokens are
+# positions first .. context - 1 of one sequence, as the runner feeds them.
+CASES = [
+    ([0], 0, 5, 16),                    # a short prompt in one block
+    ([3, 1], 0, 20, 16),                # a prompt over two blocks, not in id order
+    ([3, 1], 19, 20, 16),               # one decode step, in the second block
+    ([7, 2, 5], 8, 11, 4),              # three new tokens after two cached (prefix-hit) blocks
+    ([4, 0, 9, 6], 0, 13, 4),           # a prompt that ends in a half-full block
+    ([2, 8, 1, 3], 12, 13, 4),          # a decode that starts a new block
+    ([5], 0, 1, 1),                     # block_size 1: slot == block id
+]
+
+
+def _reference(block_table, positions, block_size) -> torch.Tensor:
+    first, context = positions[0], positions[-1] + 1
+    meta = build_metadata([context - first], [context], [list(block_table)], block_size, torch.device("cpu"))
+    return meta.slot_mapping
+
+
+def _compare(fn):
+    for block_table, first, context, block_size in CASES:
+        positions = list(range(first, context))
+        got = fn(list(block_table), list(positions), block_size)
+        if got is None:
+            return None, ""
+        got = torch.as_tensor(got).long().flatten()
+        ref = _reference(block_table, positions, block_size)
+        if got.shape != ref.shape or not torch.equal(got, ref):
+            return False, (f"block_table {block_table}, positions {positions}, block_size {block_size}: "
+                           f"got {got.tolist()}, build_metadata gives {ref.tolist()}")
+    return True, f"{len(CASES)} cases equal build_metadata's slot_mapping"
+
+
+def check_slot_mapping(fn) -> ExerciseResult:
+    """``fn(block_table, positions, block_size)`` -> one cache slot per position (list or tensor)."""
+    return run_checker("slot_mapping", fn, _compare)
+
+
+def solution_slot_mapping(block_table, positions, block_size):
+    """Token p lives in block ``block_table[p // block_size]``, at offset ``p % block_size`` in it."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]

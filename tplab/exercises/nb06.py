@@ -1,0 +1,44 @@
+"""Exercises of notebook 06 (full TP generation): which vocabulary rows a rank holds.
+
+``check_vocab_shard_range(fn)`` compares the learner's ``fn(vocab_size, rank, tp)`` ->
+``(start, end)`` with the real rows of ``tplab.layers.VocabParallelEmbedding`` built for that
+rank: the vocab is padded up to a multiple of ``tp``, every rank holds the same number of
+rows, and the last rank may hold fewer real ones.
+"""
+from tplab.exercises import ExerciseResult, run_checker
+from tplab.layers.embed_head import VocabParallelEmbedding
+
+# (vocab_size, tp): divisible, odd, and small vocabularies where padding shows.
+CASES = [(2048, 1), (2048, 2), (2048, 4), (251, 2), (251, 4), (10, 4), (7, 4), (151936, 8), (151655, 8)]
+
+
+def _reference(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
+    emb = VocabParallelEmbedding(vocab_size, 1, tp_rank=rank, tp_size=tp)   # embedding_dim 1: cheap to build
+    return emb.vocab_start, emb.vocab_start + emb.num_real_rows
+
+
+def _compare(fn):
+    n = 0
+    for vocab_size, tp in CASES:
+        for rank in range(tp):
+            got = fn(vocab_size, rank, tp)
+            if got is None:
+                return None, ""
+            got, ref = tuple(int(x) for x in got), _reference(vocab_size, rank, tp)
+            if got != ref:
+                return False, (f"vocab_size {vocab_size}, tp {tp}, rank {rank}: got {got}, "
+                               f"VocabParallelEmbedding holds rows {ref}")
+            n += 1
+    return True, f"{n} (vocab_size, rank, tp) cases equal VocabParallelEmbedding's rows"
+
+
+def check_vocab_shard_range(fn) -> ExerciseResult:
+    """``fn(vocab_size, rank, tp)`` -> ``(start, end)``: the real rows ``[start, end)`` rank ``rank`` holds."""
+    return run_checker("vocab_shard_range", fn, _compare)
+
+
+def solution_vocab_shard_range(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
+    """Pad the vocab up to a multiple of tp; rank r holds the r-th equal slice, cut at the real vocab."""
+    per_rank = -(-vocab_size // tp)                 # ceil(vocab_size / tp) rows each, padding included
+    start = rank * per_rank
+    return start, max(start, min(start + per_rank, vocab_size))
