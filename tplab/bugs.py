@@ -190,14 +190,17 @@ def full_load_per_rank_load(model, model_dir, skip=frozenset()):
 
     Seed: "load_and_shard_state_dict currently loads the full state dict on every rank ...
     memory-wise you still hold full tensors in wrapper.state_dict on each rank" (每 rank load 全量
-    state_dict, 不影响正确性). The answers are right; I/O and peak memory are not:
+    state_dict, 不影响正确性). The answers are right; I/O and peak memory are not (each rank's peak
+    holds the whole checkpoint on top of its shard):
     ``model.elements_read`` is the whole checkpoint on every rank, against about ``1 / tp_size`` of
     it with ``tplab.loader.load_weights``, which reads slices (``safe_open(...).get_slice``)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
     from tplab.loader import _target, checkpoint_files, default_weight_loader
     params, model.elements_read = dict(model.named_parameters()), 0
     for path in checkpoint_files(model_dir):
-        state_dict = load_file(path)                                # every tensor, whole, on this rank
+        # Every tensor, whole, in this rank's memory, as torch.load / AutoModel's state dict would be
+        # (safetensors.torch.load_file would map the file instead and hide the cost).
+        state_dict = load(path.read_bytes())
         model.elements_read += sum(t.numel() for t in state_dict.values())
         for name, tensor in state_dict.items():
             if name not in skip:

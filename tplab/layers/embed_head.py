@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tplab.layers.linear import linear
 from tplab.layers.weights import copy_into, expect_shape
 from tplab.parallel import all_gather, all_reduce, tp_rank_and_size
 
@@ -60,7 +61,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor, gather_output: bool = True) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)                       # (N, per_rank)
+        logits = linear(hidden, self.weight)                         # (N, per_rank)
         if not gather_output:
             return logits
         logits = all_gather(logits, self.tp_size, dim=-1)           # (N, per_rank * tp_size)

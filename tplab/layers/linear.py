@@ -7,12 +7,37 @@ an all-reduce completes). Every layer has the same three parts: ``__init__`` wor
 out this rank's shard sizes, ``weight_loader`` narrows a checkpoint tensor to that
 shard, ``forward`` runs the shard.
 """
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tplab.layers.weights import copy_into, expect_shape
 from tplab.parallel import all_reduce, divide, tp_rank_and_size
+
+
+def _onednn_works() -> bool:
+    if os.environ.get("TPLAB_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.ones(2, 3), torch.ones(4, 3)
+        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN = _onednn_works()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``. On CPU through oneDNN's inner product: torch's default CPU path
+    (MKL) streams fp32 weights at about half the memory bandwidth for the few rows of a decode
+    step, and decode is nothing but streaming weights (bench/ measures it; ``TPLAB_ONEDNN=0``
+    switches back to ``F.linear``). Same maths; the summation order differs at the 1e-7 level."""
+    if _ONEDNN and x.device.type == "cpu":
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
@@ -33,7 +58,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -136,7 +161,7 @@ class RowParallelLinear(LinearBase):
         copy_into(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
 
 
