@@ -41,3 +41,30 @@ def test_row_parallel_without_a_group_refuses_instead_of_returning_a_partial_sum
     layer = RowParallelLinear(8, 4, tp_rank=0, tp_size=2)
     with pytest.raises(RuntimeError, match="needs a process group"):
         layer(torch.randn(2, 4))
+
+
+def _shm_against_gloo():
+    """The shared-memory collectives against gloo's, on small and slot-overflowing tensors."""
+    import torch.distributed as dist
+    from tplab.parallel import all_gather, all_reduce
+    from tplab.shm_comm import SLOT_BYTES, shm_comm
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(r)
+    worst = 0.0
+    for shape in [(1, 64), (3, 896), (SLOT_BYTES // 4 + 10,)]:      # the last one goes through gloo
+        for _ in range(20):                                          # reuse both buffers many times
+            x = torch.randn(shape)
+            ref = x.clone()
+            dist.all_reduce(ref)
+            worst = max(worst, (all_reduce(x.clone(), n) - ref).abs().max().item())
+    g = torch.full((2, 3), float(r))
+    gathered = all_gather(g, n, dim=-1)
+    return worst, gathered, shm_comm(torch.zeros(1)) is not None
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shared_memory_collectives_match_gloo(tp):
+    for worst, gathered, used in launch(_shm_against_gloo, tp, timeout=120):
+        assert used and worst < 1e-5
+        assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(tp)], -1))

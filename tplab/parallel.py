@@ -8,6 +8,8 @@ from the default process group, as they would inside a rank started by
 import torch
 import torch.distributed as dist
 
+from tplab.shm_comm import shm_comm
+
 
 def tp_rank_and_size(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
     """Fill in whichever of ``tp_rank``/``tp_size`` is None from the process group (or 0/1 without one)."""
@@ -42,6 +44,9 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     if tp_size == 1:
         return x
     _check_group(tp_size)
+    comm = shm_comm(x)
+    if comm is not None:
+        return comm.all_reduce(x)
     dist.all_reduce(x)
     return x
 
@@ -51,6 +56,9 @@ def all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
     if tp_size == 1:
         return x
     _check_group(tp_size)
+    comm = shm_comm(x)
+    if comm is not None:
+        return comm.all_gather(x, dim)
     parts = [torch.empty_like(x) for _ in range(tp_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
