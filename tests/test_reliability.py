@@ -130,3 +130,12 @@ def test_bad_engine_arguments_say_what_to_change(checkpoint, kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         LLM(checkpoint("gqa"), **kwargs)
     assert our_children() == []
+
+
+def test_notebook_setup_turns_the_finite_check_on_by_default(checkpoint, monkeypatch):
+    monkeypatch.setenv("TPLAB_CHECK_FINITE", "1")                  # what workbook.setup() sets
+    with LLM(checkpoint("gqa"), bugs=["mask_mul_inf"]) as llm:
+        with pytest.raises(NonFiniteError, match="model.layers.0.self_attn"):
+            llm.generate([[1, 2, 3]])
+    with LLM(checkpoint("gqa"), bugs=["mask_mul_inf"], check_finite=False) as llm:   # explicitly off
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids

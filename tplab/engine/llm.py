@@ -5,6 +5,7 @@ with ``tplab.dist.RankGroup`` and runs the same engine in each; this process onl
 tokenizes, checks input and collects rank 0's answer. Under ``torchrun`` (a
 process group already initialised) every rank runs the engine in-process.
 """
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +50,9 @@ class LLM:
                  bugs=(), backend: str | None = None, timeout: float = 600.0, device: str | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_num_seqs: int = 16, max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
-                 check_finite: bool = False):
+                 check_finite: bool | None = None):
+        if check_finite is None:  # the notebooks turn it on for every LLM through workbook.setup()
+            check_finite = os.environ.get("TPLAB_CHECK_FINITE", "0") == "1"
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.config = EngineConfig(str(model), tensor_parallel_size, dtype, seed, tuple(bugs or ()), device,
