@@ -64,7 +64,7 @@ def test_logits_match_hf_or_tp_size_is_refused(shape, tp, seed, rank_groups):
         prompt = [t % shape["vocab_size"] for t in PROMPT]
         ref = golden.hf_activations(folder, prompt)["logits"]
         if tp == 1:
-            mine = golden._tplab_rank_activations(cfg, prompt)["logits"]
+            mine = golden.rank_activations(cfg, prompt)["logits"]
         else:
-            mine = rank_groups(tp).run(golden._tplab_rank_activations, (cfg, prompt))[0]["logits"]
+            mine = rank_groups(tp).run(golden.rank_activations, (cfg, prompt))[0]["logits"]
     torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4)

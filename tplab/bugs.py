@@ -142,6 +142,14 @@ def offby1_token_positions(seq):
     return [p + 1 for p in positions]                               # decode: len(seq), new token included
 
 
+@functools.lru_cache(maxsize=2)
+def _tp1_model(model_dir: str):
+    """One fp32 CPU model per checkpoint for ``decode_with_positions``, which a notebook calls in a loop."""
+    from tplab.config import EngineConfig
+    from tplab.engine.engine import build_model
+    return build_model(EngineConfig(model_dir, device="cpu"), torch.device("cpu"))
+
+
 def decode_with_positions(model_dir, prompt: list[int], position_shift: int = 1) -> torch.Tensor:
     """Logits ``(vocab,)`` of decoding ``prompt[-1]`` at position ``len(prompt) - 1 + position_shift``.
 
@@ -149,15 +157,12 @@ def decode_with_positions(model_dir, prompt: list[int], position_shift: int = 1)
     RoPE at the shifted position: what ``decode_position_offby1`` would compute if the engine did
     not stop it. ``position_shift=0`` gives HF's logits for the last prompt token (TP 1, CPU).
     """
-    from tplab.config import EngineConfig
-    from tplab.engine.engine import build_model
     from tplab.engine.runner import ModelRunner
     from tplab.layers.attention import build_metadata
 
     n, cpu = len(prompt), torch.device("cpu")
-    cfg = EngineConfig(str(model_dir), device="cpu")
-    model = build_model(cfg, cpu)
-    runner = ModelRunner(model, cpu, cfg.torch_dtype)
+    model = _tp1_model(str(model_dir))
+    runner = ModelRunner(model, cpu, torch.float32)
     runner.allocate(1, n)                                           # one block holds the whole sequence
     with torch.inference_mode():
         for start, end, shift in ((0, n - 1, 0), (n - 1, n, position_shift)):   # prefill, then decode one

@@ -47,7 +47,10 @@ def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor
         return _capture(model, names, lambda: model(torch.tensor([input_ids])).logits)
 
 
-def _tplab_rank_activations(cfg, input_ids):
+def rank_activations(cfg, input_ids):
+    """Inside a rank (or in-process at TP 1): build this rank's shard from ``cfg`` (an ``EngineConfig``),
+    prefill ``input_ids`` once with hooks, and return the activations on rank 0 (None elsewhere).
+    For ranks that already exist, e.g. ``RankGroup.run(golden.rank_activations, (cfg, ids))``."""
     from tplab.dist import rank_device
     from tplab.engine.engine import build_model
     from tplab.engine.runner import ModelRunner
@@ -76,8 +79,8 @@ def tplab_activations(model_dir, input_ids: list[int], tensor_parallel_size: int
     from tplab.dist import launch
     cfg = EngineConfig(str(model_dir), tensor_parallel_size, dtype, bugs=tuple(bugs), device="cpu")
     if tensor_parallel_size == 1:
-        return _tplab_rank_activations(cfg, input_ids)
-    return launch(_tplab_rank_activations, tensor_parallel_size, args=(cfg, input_ids))[0]
+        return rank_activations(cfg, input_ids)
+    return launch(rank_activations, tensor_parallel_size, args=(cfg, input_ids))[0]
 
 
 @dataclass
