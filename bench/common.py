@@ -250,10 +250,5 @@ def standalone(run, argv=None) -> None:
 
 
 def inproc_engine(llm):
-    """The ``LLMEngine`` of an in-process (TP 1) ``LLM``: kept on the ``LLM`` itself, or (older layout)
-    in ``tplab.engine.worker``."""
-    engine = getattr(llm, "_engine", None)
-    if hasattr(engine, "runner"):
-        return engine
-    from tplab.engine import worker
-    return worker._engine
+    """The ``LLMEngine`` of an in-process (TP 1) ``LLM``: its worker holds it."""
+    return llm._worker.engine

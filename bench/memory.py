@@ -1,7 +1,7 @@
 """3. Peak resident memory of each rank while it builds its engine and loads its weights.
 
 Each configuration runs in fresh rank processes (``tplab.launch``; TP 1 too, as a group of one) that
-call ``tplab.engine.worker.start_engine`` exactly as ``LLM`` does. Inside the rank a sampler thread
+build ``tplab.engine.worker.Worker`` exactly as ``LLM`` does. Inside the rank a sampler thread
 reads ``/proc/self/status`` every 2 ms while the engine is built:
 
 * ``RssAnon`` (anonymous resident memory: the weights tplab copied in, temporaries, the KV cache,
@@ -49,9 +49,9 @@ def measure_rank_load(model: str, tp: int, bugs: tuple, kv_blocks: int) -> dict:
     import psutil
     import torch
 
-    import tplab.engine.engine  # noqa: F401  (imported before the baseline: code is not weights)
-    from tplab.config import EngineConfig
-    from tplab.engine import worker
+    import tplab.engine.llm_engine  # noqa: F401  (imported before the baseline: code is not weights)
+    from tplab.engine.config import EngineConfig
+    from tplab.engine.worker import Worker
 
     cfg = EngineConfig(model=model, tensor_parallel_size=tp, dtype="float32", bugs=tuple(bugs),
                        num_kv_blocks=kv_blocks, device="cpu")
@@ -70,12 +70,12 @@ def measure_rank_load(model: str, tp: int, bugs: tuple, kv_blocks: int) -> dict:
     sampler.start()
     t0 = time.perf_counter()
     try:
-        result = worker.start_engine(cfg)
+        worker = Worker(cfg)
     finally:
         stop.set()
         sampler.join()
     load_s = time.perf_counter() - t0
-    engine = result if hasattr(result, "model") else worker._engine
+    engine = worker.engine
     after = _status()
     for k, v in after.items():
         peak[k] = max(peak.get(k, 0), v)
@@ -90,9 +90,9 @@ def measure_rank_load(model: str, tp: int, bugs: tuple, kv_blocks: int) -> dict:
         "uss_after_bytes": psutil.Process().memory_full_info().uss,
         "param_bytes": param_bytes, "buffer_bytes": buffer_bytes,
         "kv_cache_bytes": engine.runner.kv_cache_bytes(),
-        "elements_read": getattr(model_, "elements_read", None),   # set by the full_load_per_rank loader
+        "elements_read": engine.load_report.elements_read,
     }
-    worker.stop_engine()
+    del worker, engine, model_
     return info
 
 
@@ -124,13 +124,13 @@ def run(ckpt, s: Settings) -> list[Row]:
     rows = [
         Row("peak anon RSS per rank while loading, TP2 vs TP1", worst("tp2", "RssAnon"), worst("tp1", "RssAnon"),
             "MiB", "TP1", target="<= 0.6",
-            note=f"/proc/self/status RssAnon sampled every 2 ms during start_engine, largest rank "
+            note=f"/proc/self/status RssAnon sampled every 2 ms while Worker(cfg) builds the engine, largest rank "
                  f"(TP2 ranks {per_rank('tp2')} MiB); params per rank TP1 {tp1['param_bytes'] / mib:.0f} MiB, "
                  f"TP2 {tp2[0]['param_bytes'] / mib:.0f} MiB; buffers (RoPE tables) per rank {rope:.0f} MiB; "
                  f"KV cache {s.memory_kv_blocks} blocks = {tp1['kv_cache_bytes'] / mib:.1f} MiB at TP1; "
                  f"process baseline before loading TP1 {tp1['baseline']['RssAnon'] / mib:.0f} MiB"),
         Row("  same, growth over the pre-load baseline", grown("tp2"), grown("tp1"), "MiB", "TP1",
-            note="peak RssAnon minus RssAnon just before start_engine (imports and interpreter excluded)"),
+            note="peak RssAnon minus RssAnon just before Worker(cfg) (imports and interpreter excluded)"),
         Row("  peak VmRSS (VmHWM, file-backed incl.)", worst("tp2", "VmHWM"), worst("tp1", "VmHWM"), "MiB", "TP1",
             note="includes the mmapped safetensors pages each rank touched (page cache, shared between ranks)"),
         Row("  USS after loading", max(r["uss_after_bytes"] for r in tp2) / mib, tp1["uss_after_bytes"] / mib,

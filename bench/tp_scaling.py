@@ -4,7 +4,7 @@ TP 1 runs in this process with ``threads`` torch threads (all the cores); TP 2 r
 processes with one thread each (``RankGroup``'s default: cores // world_size), so both use the
 same cores. Per decode token a TP 2 rank does 2 all-reduces of (1, hidden) per layer, one more
 for the embedding, and one all-gather of the logits shard (1, ceil(vocab / 2)); those are timed
-alone in a ``launch()`` of 2 ranks, both as tplab runs them (``tplab.parallel``: shared memory
+alone in a ``launch()`` of 2 ranks, both as tplab runs them (``tplab.distributed.parallel_state``: shared memory
 between ranks of one host) and through gloo (TCP), for contrast.
 """
 import sys
@@ -28,7 +28,7 @@ def collective_times(hidden: int, logits_per_rank: int, iters: int) -> dict:
 
     import torch
     import torch.distributed as dist
-    from tplab import parallel
+    from tplab.distributed import parallel_state as parallel
 
     x = torch.ones(1, hidden)
     y = torch.ones(1, logits_per_rank)
@@ -100,7 +100,7 @@ def run(ckpt, s: Settings) -> list[Row]:
     same = sum(a == b for a, b in zip(out["tp1"], out["tp2"])) / n
     return [
         Row("all-reduce (1, hidden) fp32, 2 ranks: tplab shm vs gloo", t_ar * 1e6, g_ar * 1e6, "us", "gloo",
-            note=f"mean of {s.allreduce_iters}, slower rank; tplab.parallel.all_reduce (shared memory) "
+            note=f"mean of {s.allreduce_iters}, slower rank; tplab.distributed.parallel_state.all_reduce (shared memory) "
                  f"against dist.all_reduce (gloo, TCP)"),
         Row("all-gather of logits (1, vocab/2): tplab shm vs gloo", t_ag * 1e6, g_ag * 1e6, "us", "gloo"),
         Row("collectives per token at TP2 vs a TP1 token", comm_per_token * 1e3, 1e3 / rate["tp1"], "ms",

@@ -1,5 +1,5 @@
 """Block manager and scheduler bookkeeping, without a model: blocks, reference counts, preemption."""
-from tplab.cache.block_manager import BlockManager
+from tplab.engine.block_manager import BlockManager
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
@@ -9,10 +9,17 @@ def seq(i, tokens, max_tokens=8):
     return Sequence(i, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens))
 
 
+def admit(bm, s):
+    """What the scheduler does: ask for room (and the cached prefix), then allocate."""
+    num_cached_blocks = bm.can_allocate(s)
+    assert num_cached_blocks is not None, "no room"
+    bm.allocate(s, num_cached_blocks)
+
+
 def test_allocate_append_free_returns_every_block():
     bm = BlockManager(num_blocks=8, block_size=4)
     s = seq(0, range(6))                                   # 6 tokens -> 2 blocks
-    bm.allocate(s)
+    admit(bm, s)
     assert len(s.block_table) == 2 and bm.num_used_blocks == 2
     for t in range(3):                                     # tokens 7, 8 fit; token 9 starts block 3
         s.token_ids.append(100 + t)
@@ -26,8 +33,8 @@ def test_allocate_append_free_returns_every_block():
 def test_slots_of_a_sequence_are_distinct_and_in_its_blocks():
     bm = BlockManager(num_blocks=6, block_size=4)
     a, b = seq(0, range(5)), seq(1, range(7))
-    bm.allocate(a)
-    bm.allocate(b)
+    admit(bm, a)
+    admit(bm, b)
     assert not set(a.block_table) & set(b.block_table)
 
 
@@ -35,8 +42,8 @@ def test_shared_prefix_blocks_are_reference_counted():
     bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
     prefix = list(range(100, 108))                          # two full blocks
     a, b = seq(0, prefix + [1, 2]), seq(1, prefix + [3])
-    bm.allocate(a)
-    bm.allocate(b)
+    admit(bm, a)
+    admit(bm, b)
     assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
     assert [bm.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
     assert bm.prefix_cache_hit_blocks == 2 and bm.num_used_blocks == 4
@@ -45,23 +52,23 @@ def test_shared_prefix_blocks_are_reference_counted():
     bm.free(b)
     assert bm.num_used_blocks == 0
     c = seq(2, prefix + [9])                                # freed blocks keep their hash: still a hit
-    bm.allocate(c)
+    admit(bm, c)
     assert c.num_cached_tokens == 8 and bm.prefix_cache_hit_blocks == 4
 
 
 def test_prefix_hit_needs_the_whole_chain_not_just_one_block():
     bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
-    bm.allocate(seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    admit(bm, seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]))
     other = seq(1, [0, 0, 0, 0, 5, 6, 7, 8, 9])             # same second block, different first
-    bm.allocate(other)
+    admit(bm, other)
     assert other.num_cached_tokens == 0
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token():
     bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
-    bm.allocate(seq(0, range(8)))
+    admit(bm, seq(0, range(8)))
     again = seq(1, range(8))
-    bm.allocate(again)
+    admit(bm, again)
     assert again.num_cached_tokens == 4                     # the block holding the last token is recomputed
 
 

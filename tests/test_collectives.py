@@ -46,8 +46,9 @@ def test_row_parallel_without_a_group_refuses_instead_of_returning_a_partial_sum
 def _shm_against_gloo():
     """The shared-memory collectives against gloo's, on small and slot-overflowing tensors."""
     import torch.distributed as dist
-    from tplab.parallel import all_gather, all_reduce
-    from tplab.shm_comm import SLOT_BYTES, shm_comm
+    from tplab.distributed.parallel_state import all_gather, all_reduce
+    from tplab.distributed import parallel_state
+    from tplab.distributed.shm_comm import SLOT_BYTES
 
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(r)
@@ -60,7 +61,7 @@ def _shm_against_gloo():
             worst = max(worst, (all_reduce(x.clone(), n) - ref).abs().max().item())
     g = torch.full((2, 3), float(r))
     gathered = all_gather(g, n, dim=-1)
-    return worst, gathered, shm_comm(torch.zeros(1)) is not None
+    return worst, gathered, parallel_state._shm_for(torch.zeros(1)) is not None
 
 
 @pytest.mark.parametrize("tp", [2, 4])

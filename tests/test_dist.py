@@ -1,4 +1,4 @@
-"""tplab.dist: rank processes with a real process group, driven from the parent (gloo on CPU)."""
+"""tplab.distributed.launcher: rank processes with a real process group, driven from the parent (gloo on CPU)."""
 import os
 import signal
 import subprocess
@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from tplab.dist import RankError, RankGroup, launch, pick_backend, rank_device, world_info
+from tplab.distributed.launcher import RankError, RankGroup, launch, pick_backend, rank_device, world_info
 
 
 def api_example_work(x):
@@ -109,12 +109,12 @@ def test_threads_per_rank_overrides_the_default():
 
 def test_reused_group_keeps_module_state_between_runs(group2):
     def set_state():
-        import tplab.dist as d
+        import tplab.distributed.launcher as d
         d._test_state = world_info()[0] * 10
         return os.getpid()
 
     def get_state():
-        import tplab.dist as d
+        import tplab.distributed.launcher as d
         return d._test_state, os.getpid()
 
     pids = group2.run(set_state)
@@ -159,11 +159,11 @@ def test_rank_output_reaches_the_parent_while_the_rank_is_still_running(group2, 
 
 
 def test_each_group_spawns_fresh_processes_with_its_own_store_port(group2, monkeypatch):
-    import tplab.dist
-    monkeypatch.setattr(tplab.dist, "_set_in_parent_only", True, raising=False)
+    import tplab.distributed.launcher
+    monkeypatch.setattr(tplab.distributed.launcher, "_set_in_parent_only", True, raising=False)
     with RankGroup(1, timeout=60) as group:
         assert group._ranks.store.port != group2._ranks.store.port
-        assert group.run(lambda: hasattr(sys.modules["tplab.dist"], "_set_in_parent_only")) == [False]
+        assert group.run(lambda: hasattr(sys.modules["tplab.distributed.launcher"], "_set_in_parent_only")) == [False]
 
 
 def test_raising_rank_gives_rank_error_quickly_and_next_launch_works(no_new_children):
@@ -231,7 +231,7 @@ def test_ctrl_c_while_waiting_stops_the_ranks_and_reraises(no_new_children):
 # A user script with no `if __name__ == "__main__":` guard, whose process is then killed.
 USER_SCRIPT = """
 import os, threading, time
-from tplab.dist import RankGroup
+from tplab.distributed.launcher import RankGroup
 main_thread_group = RankGroup(1)  # ranks get PR_SET_PDEATHSIG
 box = []
 thread = threading.Thread(target=lambda: box.append(RankGroup(1)))  # ranks rely on the watchdog

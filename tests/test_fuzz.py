@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tplab import golden, models
-from tplab.config import EngineConfig
-from tplab.dist import RankGroup
+from tplab.engine.config import EngineConfig
+from tplab.distributed.launcher import RankGroup
 
 PROMPT = [5, 1, 16, 3, 9, 12, 2, 7, 4, 15, 11]
 
@@ -58,13 +58,12 @@ def test_logits_match_hf_or_tp_size_is_refused(shape, tp, seed, rank_groups):
         event(f"tp{tp} {'runs' if tp_works(shape, tp) else 'refused'}")
         if not tp_works(shape, tp):
             with pytest.raises(ValueError, match="TP sizes that work"):
-                EngineConfig(folder, tp)
+                EngineConfig(model=folder, tensor_parallel_size=tp)
             return
-        cfg = EngineConfig(folder, tp, device="cpu")
         prompt = [t % shape["vocab_size"] for t in PROMPT]
         ref = golden.hf_activations(folder, prompt)["logits"]
         if tp == 1:
-            mine = golden.rank_activations(cfg, prompt)["logits"]
+            mine = golden.rank_activations(folder, prompt)["logits"]
         else:
-            mine = rank_groups(tp).run(golden.rank_activations, (cfg, prompt))[0]["logits"]
+            mine = rank_groups(tp).run(golden.rank_activations, (folder, prompt, tp))[0]["logits"]
     torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tplab.config import EngineConfig
-from tplab.engine.engine import build_model
-from tplab.loader import CheckpointError, LazySlice
+from tplab.engine.config import EngineConfig
+from tplab.engine.probe import load_model
+from tplab.models.loader import CheckpointError, LazySlice
 from tplab.layers.weights import WeightShapeError
 
 
@@ -29,7 +29,6 @@ def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch, tp):
     """
     folder = checkpoint("vocab_pad")
     full = sum(t.numel() for t in load_file(folder / "model.safetensors").values())
-    cfg = EngineConfig(str(folder), tp)
     real, read = LazySlice.materialize, []
 
     def counting(self):
@@ -39,7 +38,7 @@ def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch, tp):
     monkeypatch.setattr(LazySlice, "materialize", counting)
     for rank in range(tp):
         read.clear()
-        model = build_model(cfg, "cpu", tp_rank=rank, tp_size=tp)
+        model = load_model(folder, tp, tp_rank=rank)
         held = sum(p.numel() for p in model.parameters())
         norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)   # replicated on every rank
         assert sum(read) <= held, "a rank read more than it holds"
@@ -50,13 +49,13 @@ def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch, tp):
 def test_missing_lm_head_is_an_error_naming_it(checkpoint, tmp_path):
     folder = _copy(checkpoint("untied"), tmp_path / "ckpt", lambda t: t.pop("lm_head.weight"))
     with pytest.raises(CheckpointError, match="missing 1 tensor.*lm_head.weight"):
-        build_model(EngineConfig(str(folder), 1), "cpu")
+        load_model(folder)
 
 
 def test_unexpected_tensor_is_an_error_naming_it(checkpoint, tmp_path):
     folder = _copy(checkpoint("gqa"), tmp_path / "ckpt", lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
     with pytest.raises(CheckpointError, match="unexpected tensor model.extra.weight in model.safetensors"):
-        build_model(EngineConfig(str(folder), 1), "cpu")
+        load_model(folder)
 
 
 def test_misshaped_tensor_names_tensor_and_both_shapes(checkpoint, tmp_path):
@@ -66,7 +65,7 @@ def test_misshaped_tensor_names_tensor_and_both_shapes(checkpoint, tmp_path):
     folder = _copy(checkpoint("gqa"), tmp_path / "ckpt", transpose)
     with pytest.raises(WeightShapeError, match=r"model.layers.1.mlp.down_proj.weight in model.safetensors.*"
                                                r"expected shape \(64, 128\), found \(128, 64\)"):
-        build_model(EngineConfig(str(folder), 2), "cpu", tp_rank=1, tp_size=2)
+        load_model(folder, 2, tp_rank=1)
 
 
 def test_config_that_disagrees_with_weights_is_an_error(checkpoint, tmp_path):
@@ -76,7 +75,7 @@ def test_config_that_disagrees_with_weights_is_an_error(checkpoint, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightShapeError, match=r"model.layers.0.mlp.\w+_proj.weight in model.safetensors: "
                                                r"expected shape \((96, 64|64, 96)\), found \((128, 64|64, 128)\)"):
-        build_model(EngineConfig(str(folder), 1), "cpu")
+        load_model(folder)
 
 
 def test_truncated_file_is_an_error_naming_the_file(checkpoint, tmp_path):
@@ -84,20 +83,20 @@ def test_truncated_file_is_an_error_naming_the_file(checkpoint, tmp_path):
     data = (folder / "model.safetensors").read_bytes()
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="cannot read .*model.safetensors"):
-        build_model(EngineConfig(str(folder), 1), "cpu")
+        load_model(folder)
 
 
 def test_folder_errors_say_what_is_wrong(checkpoint, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        EngineConfig(str(tmp_path / "nope"))
+        EngineConfig(model=str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
-        EngineConfig(str(tmp_path / "empty"))
+        EngineConfig(model=str(tmp_path / "empty"))
     folder = _copy(checkpoint("gqa"), tmp_path / "llama")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type='llama'; tplab runs Qwen2"):
-        EngineConfig(str(folder))
+        EngineConfig(model=str(folder))
 
 
 def test_rope_scaling_is_refused_not_ignored(checkpoint, tmp_path):
@@ -108,4 +107,4 @@ def test_rope_scaling_is_refused_not_ignored(checkpoint, tmp_path):
     config.pop("rope_scaling", None)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="rope_type='yarn' is not implemented"):
-        EngineConfig(str(folder))
+        EngineConfig(model=str(folder))

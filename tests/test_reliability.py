@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tplab import LLM, SamplingParams, launch, models
-from tplab.dist import RankError
+from tplab.distributed.launcher import RankError
 from tplab.engine.checks import NonFiniteError
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -132,10 +132,9 @@ def test_bad_engine_arguments_say_what_to_change(checkpoint, kwargs, msg):
     assert our_children() == []
 
 
-def test_notebook_setup_turns_the_finite_check_on_by_default(checkpoint, monkeypatch):
-    monkeypatch.setenv("TPLAB_CHECK_FINITE", "1")                  # what workbook.setup() sets
-    with LLM(checkpoint("gqa"), bugs=["mask_mul_inf"]) as llm:
+def test_finite_check_names_the_first_nan_sublayer_and_is_off_unless_asked(checkpoint):
+    with LLM(checkpoint("gqa"), bugs=["mask_mul_inf"], check_finite=True) as llm:
         with pytest.raises(NonFiniteError, match="model.layers.0.self_attn"):
             llm.generate([[1, 2, 3]])
-    with LLM(checkpoint("gqa"), bugs=["mask_mul_inf"], check_finite=False) as llm:   # explicitly off
+    with LLM(checkpoint("gqa"), bugs=["mask_mul_inf"]) as llm:                     # off by default
         assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids

@@ -1,22 +1,20 @@
 """``LLM``: the user-facing engine, as in vLLM's offline API.
 
 TP 1 runs in this process. TP > 1 starts ``tensor_parallel_size`` rank processes
-with ``tplab.dist.RankGroup`` and runs the same engine in each; this process only
-tokenizes, checks input and collects rank 0's answer. Under ``torchrun`` (a
+with ``tplab.distributed.RankGroup``, each holding a ``Worker`` with the same engine; this
+process only tokenizes, checks input and collects rank 0's answer. Under ``torchrun`` (a
 process group already initialised) every rank runs the engine in-process.
 """
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tplab.config import EngineConfig
-from tplab.dist import RankGroup, pick_backend, rank_device
-from tplab.engine import worker
-from tplab.engine.engine import LLMEngine
+from tplab.distributed.launcher import RankGroup, pick_backend
+from tplab.engine.config import EngineConfig
 from tplab.engine.sampling import SamplingParams
+from tplab.engine.worker import Worker
 
 
 @dataclass
@@ -47,36 +45,41 @@ class LLM:
     """
 
     def __init__(self, model, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0,
-                 bugs=(), backend: str | None = None, timeout: float = 600.0, device: str | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = False,
-                 check_finite: bool | None = None):
-        if check_finite is None:  # the notebooks turn it on for every LLM through workbook.setup()
-            check_finite = os.environ.get("TPLAB_CHECK_FINITE", "0") == "1"
+                 bugs=(), parts=None, backend: str | None = None, timeout: float = 600.0,
+                 device: str | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 4096,
+                 enable_prefix_caching: bool = False, check_finite: bool = False):
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.config = EngineConfig(str(model), tensor_parallel_size, dtype, seed, tuple(bugs or ()), device,
-                                   block_size, num_kv_blocks, kv_cache_memory, max_num_seqs,
-                                   max_num_batched_tokens, enable_prefix_caching, check_finite)
+        self.config = EngineConfig(
+            model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed, bugs=bugs,
+            parts=parts, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            check_finite=check_finite)
         self.tokenizer = load_tokenizer(self.config.model)
         self.timeout = timeout
-        self._group = self._engine = None
+        self._group = self._worker = None
         self._why_down = ""
         tp = tensor_parallel_size
         if dist.is_initialized():                       # torchrun: this process is one of the ranks
             if dist.get_world_size() != tp:
                 raise ValueError(f"tensor_parallel_size={tp} but the process group has {dist.get_world_size()} "
                                  f"ranks: pass tensor_parallel_size={dist.get_world_size()} under torchrun")
-            self._engine = LLMEngine(self.config, self.config.device or rank_device())
+            self._worker = Worker(self.config)
         elif tp == 1:                                   # one rank: this process
             pick_backend(1, backend)                    # still refuse a backend that could not run
-            self._engine = LLMEngine(self.config, self.config.device or ("cuda" if torch.cuda.is_available()
-                                                                         else "cpu"))
+            if self.config.device is None:
+                self.config.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._worker = Worker(self.config)
         else:
             self._group = RankGroup(tp, backend=backend, timeout=timeout)
         try:
-            self.rank_info = self._call_all(worker.start, self.config) if self._group else \
-                [worker.engine_info(self._engine)]
+            if self._group is not None:
+                self._group.create(Worker, (self.config,), timeout=timeout)
+                self.rank_info = self._group.call("info", timeout=timeout)
+            else:
+                self.rank_info = [self._worker.info()]
         except BaseException:
             self.shutdown()
             raise
@@ -93,7 +96,7 @@ class LLM:
         texts, token_lists = self._tokenize(prompts)
         params = self._params_for(sampling_params, len(token_lists))
         self._check_lengths(token_lists, params)
-        results = self._call(worker.generate, token_lists, params)
+        results = self._call("generate", token_lists, params)
         return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
                 for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
 
@@ -115,19 +118,16 @@ class LLM:
     def stats(self) -> dict:
         """Cache and scheduler counters of rank 0: num_preemptions, prefix_cache_hit_blocks,
         peak_kv_blocks_used, num_kv_blocks, kv_cache_bytes, ... (cumulative over generate calls)."""
-        return self._call(worker.stats)
+        return self._call("stats")
 
-    def _call(self, fn, *args):
-        """``fn(*args)`` on every rank (or on this process's engine); rank 0's answer."""
+    def _call(self, method: str, *args):
+        """``Worker.<method>(*args)`` on every rank (or on this process's worker); rank 0's answer."""
         if self._group is None:
-            if self._engine is None:
+            if self._worker is None:
                 raise RuntimeError(f"this LLM was shut down{self._why_down}; create a new one")
-            return fn(*args, engine=self._engine)
-        return self._call_all(fn, *args)[0]
-
-    def _call_all(self, fn, *args) -> list:
+            return getattr(self._worker, method)(*args)
         try:
-            return self._group.run(fn, args, timeout=self.timeout)
+            return self._group.call(method, args, timeout=self.timeout)[0]
         except BaseException as e:  # RankGroup already stopped every rank; this LLM cannot go on
             self._why_down = f" after {type(e).__name__} in a rank call"
             self.shutdown()
@@ -138,7 +138,7 @@ class LLM:
         if self._group is not None:
             self._group.close()
             self._group = None
-        self._engine = None
+        self._worker = None
 
     def __enter__(self):
         return self
@@ -182,7 +182,7 @@ class LLM:
 
     def _check_lengths(self, token_lists, params):
         limit = self.config.hf_config.max_position_embeddings
-        blocks, block_size = self.rank_info[0]["num_kv_blocks"], self.rank_info[0]["block_size"]
+        blocks, block_size = self.rank_info[0]["num_kv_blocks"], self.config.block_size
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             total = len(ids) + p.max_tokens
             if total > limit:

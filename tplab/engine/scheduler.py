@@ -10,12 +10,11 @@ greedy output is the same as without the preemption.
 """
 from collections import deque
 
-from tplab.cache.block_manager import BlockManager
 from tplab.engine.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -46,12 +45,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(scheduled)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not bm.can_allocate(seq):
+            num_cached_blocks = bm.can_allocate(seq)
+            if num_cached_blocks is None:
                 break
             # A prompt longer than the whole budget still runs when it is alone, so it cannot starve.
             if len(seq) > budget and scheduled:
                 break
-            bm.allocate(seq)                    # may find a cached prefix: fewer tokens to compute
+            bm.allocate(seq, num_cached_blocks)  # a cached prefix: fewer tokens to compute
             budget -= len(seq) - seq.num_cached_tokens
             self.running.append(self.waiting.popleft())
             scheduled.append(seq)

@@ -15,6 +15,7 @@ class Sequence:
     generator: torch.Generator | None = None
     num_cached_tokens: int = 0           # tokens whose K/V are already in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # chained hashes of its full blocks (prefix caching)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None     # "length" or "stop" once finished
 

@@ -1,44 +1,30 @@
-"""The calls ``LLM`` makes on every rank, through ``tplab.dist.RankGroup``.
+"""One rank's side of ``LLM``: the object that holds this rank's engine between the driver's calls.
 
-Inside a rank process the engine lives in a module global between calls. In-process
-(TP 1, or torchrun) ``LLM`` keeps its own engine and passes it in, so two ``LLM``s in
-one process never share one.
+At TP > 1 every rank process keeps one ``Worker`` (``RankGroup.create``) and ``LLM`` calls its
+methods on all ranks at once (``RankGroup.call``), as vLLM's driver calls its workers. At TP 1
+and under torchrun ``LLM`` holds its ``Worker`` itself and calls the same methods directly.
 """
-from tplab.dist import rank_device
-
-_engine = None
-
-
-def start_engine(cfg):
-    """Build this rank's engine and keep it for later calls; returns it."""
-    global _engine
-    from tplab.engine.engine import LLMEngine
-    _engine = None  # drop a previous engine (and its cache) before building the next
-    _engine = LLMEngine(cfg, cfg.device or rank_device())
-    return _engine
+from tplab.distributed.launcher import rank_device
+from tplab.engine.config import EngineConfig
+from tplab.engine.llm_engine import LLMEngine
+from tplab.engine.sampling import SamplingParams
 
 
-def engine_info(engine=None) -> dict:
-    """What the driver checks requests against, and what each rank holds."""
-    engine = engine or _engine
-    return {"param_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
-            "elements_read": getattr(engine.model, "elements_read", None),   # from the checkpoint files
-            "num_kv_blocks": engine.block_manager.num_blocks, "block_size": engine.block_manager.block_size}
+class Worker:
+    def __init__(self, cfg: EngineConfig):
+        self.engine = LLMEngine(cfg, cfg.device or rank_device())
 
+    def info(self) -> dict:
+        """What the driver checks requests against, and what this rank holds."""
+        engine = self.engine
+        params = {id(p): p for p in engine.model.parameters()}.values()
+        return {"param_bytes": sum(p.numel() * p.element_size() for p in params),
+                "elements_read": engine.load_report.elements_read,      # from the checkpoint files
+                "num_kv_blocks": engine.runner.num_blocks}
 
-def start(cfg) -> dict:
-    return engine_info(start_engine(cfg))
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[list[int], list[float], str]]:
+        """One generate call on this rank: ``[(output token ids, logprobs, finish reason)]``."""
+        return [(s.output_token_ids, s.logprobs, s.finish_reason) for s in self.engine.generate(prompts, params)]
 
-
-def generate(prompts, params, engine=None) -> list[tuple[list[int], list[float], str]]:
-    """Run one generate call on this rank: ``[(output token ids, logprobs, finish reason)]``."""
-    return [(s.output_token_ids, s.logprobs, s.finish_reason) for s in (engine or _engine).generate(prompts, params)]
-
-
-def stats(engine=None) -> dict:
-    return (engine or _engine).stats()
-
-
-def stop_engine() -> None:
-    global _engine
-    _engine = None
+    def stats(self) -> dict:
+        return self.engine.stats()

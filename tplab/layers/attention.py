@@ -96,9 +96,15 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, attend=sdpa_attend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.cache_heads = num_kv_heads     # heads per token the runner sizes the KV cache for
         self.scale = head_dim ** -0.5
         self.attend = attend
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's K (and V) cache that ``forward`` expects, as a vLLM attention
+        backend declares it: the KV heads only, never their repeats for the query heads."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         # q (T, H, D); k, v (T, H_kv, D); each cache (num_blocks, block_size, H_kv, D)

@@ -9,7 +9,7 @@ from torch import nn
 
 from tplab.layers.linear import linear
 from tplab.layers.weights import copy_into, expect_shape
-from tplab.parallel import all_gather, all_reduce, tp_rank_and_size
+from tplab.distributed.parallel_state import all_gather, all_reduce, tp_rank_and_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,14 +55,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     the same seeded generator with no extra broadcast.
     """
 
-    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
-        """Share the embedding's weight (``tie_word_embeddings``): both are split the same way."""
-        assert embedding.per_rank == self.per_rank and embedding.vocab_start == self.vocab_start
-        self.weight = embedding.weight
-
     def forward(self, hidden: torch.Tensor, gather_output: bool = True) -> torch.Tensor:
         logits = linear(hidden, self.weight)                         # (N, per_rank)
-        if not gather_output:
-            return logits
+        return self.gather(logits) if gather_output else logits
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``(N, per_rank)`` logits -> the full ``(N, vocab)``, padding rows dropped."""
         logits = all_gather(logits, self.tp_size, dim=-1)           # (N, per_rank * tp_size)
         return logits[..., : self.num_embeddings]

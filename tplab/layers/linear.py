@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tplab.layers.weights import copy_into, expect_shape
-from tplab.parallel import all_reduce, divide, tp_rank_and_size
+from tplab.distributed.parallel_state import all_reduce, divide, tp_rank_and_size
 
 
 def _onednn_works() -> bool:

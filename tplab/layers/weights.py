@@ -18,7 +18,7 @@ def expect_shape(loaded, expected: tuple[int, ...], what: str = "") -> None:
 
 
 def materialize(loaded) -> torch.Tensor:
-    """A real tensor from either a tensor or a lazy safetensors slice (see ``tplab.loader``)."""
+    """A real tensor from either a tensor or a lazy safetensors slice (see ``tplab.models.loader``)."""
     return loaded.materialize() if hasattr(loaded, "materialize") else loaded
 
 

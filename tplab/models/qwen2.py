@@ -7,45 +7,37 @@ Per decoder layer on each rank (T tokens, hidden size E, this rank's H/H_kv head
              -> post_attention_layernorm -> gate_up_proj (T, 2 I_local) -> SiLU * up (T, I_local)
              -> down_proj + all-reduce (T, E) -> + residual
 Two all-reduces per layer, none inside attention: each rank owns whole heads.
-"""
-from dataclasses import dataclass
-from typing import Callable
 
+The layers come from ``parts`` (``tplab.engine.parts.Parts``): tplab's own, or a pitfall's or a
+learner's replacements, each built with the same arguments and called the same way.
+"""
 import torch
 from torch import nn
 
+from tplab.distributed.parallel_state import tp_rank_and_size
 from tplab.layers.activation import SiluAndMul
-from tplab.layers.attention import Attention, AttentionMetadata, sdpa_attend
-from tplab.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tplab.layers.attention import AttentionMetadata
 from tplab.layers.norm import RMSNorm
-from tplab.layers.rotary import RotaryEmbedding, apply_rotary, rope_settings
-from tplab.parallel import tp_rank_and_size
-
-
-@dataclass(frozen=True)
-class Parts:
-    """The replaceable pieces a model is built from. ``tplab.bugs`` swaps some for the seeds' broken ones,
-    so the engine itself never branches on a bug."""
-    attend: Callable = sdpa_attend              # softmax(q k^T) v with the causal mask applied
-    apply_rope: Callable = apply_rotary         # rotate q, k by cos/sin
-    qkv_linear: type = QKVParallelLinear        # fused q|k|v, column parallel by head
-    gate_up_linear: type = MergedColumnParallelLinear
-    row_linear: type = RowParallelLinear        # o_proj and down_proj
-    attention: type = Attention                 # writes K/V into the cache, then attends
+from tplab.layers.rotary import RotaryEmbedding, rope_settings
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def local_head_counts(config, tp_size: int) -> tuple[int, int]:
+    """``(H, H_kv)`` on one rank: its share of the query heads, and of the KV heads, or the one KV head
+    it keeps a replica of when ``tp_size`` exceeds them (as vLLM does)."""
+    return config.num_attention_heads // tp_size, max(1, config.num_key_value_heads // tp_size)
+
+
 class Qwen2Attention(nn.Module):
-    def __init__(self, config, parts: Parts, tp_rank: int, tp_size: int):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = parts.qkv_linear(config.hidden_size, head_dim, config.num_attention_heads,
                                          config.num_key_value_heads, bias=True, tp_rank=tp_rank, tp_size=tp_size)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.num_heads, self.num_kv_heads = local_head_counts(config, tp_size)
         self.head_dim = head_dim
         self.o_proj = parts.row_linear(config.num_attention_heads * head_dim, config.hidden_size, bias=False,
                                        tp_rank=tp_rank, tp_size=tp_size)
@@ -54,7 +46,8 @@ class Qwen2Attention(nn.Module):
         self.attn = parts.attention(self.num_heads, self.num_kv_heads, head_dim, parts.attend)
 
     def forward(self, x, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))             # (T, H D), (T, H_kv D), (T, H_kv D)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)   # (T, H D), (T, H_kv D) twice
         q = q.view(-1, self.num_heads, self.head_dim)               # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)            # (T, H_kv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -63,7 +56,7 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config, parts: Parts, tp_rank: int, tp_size: int):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int):
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={config.hidden_act!r}: tplab implements Qwen2's 'silu' only")
@@ -78,7 +71,7 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config, parts: Parts, tp_rank: int, tp_size: int):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Qwen2Attention(config, parts, tp_rank, tp_size)
@@ -91,9 +84,9 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config, parts: Parts, tp_rank: int, tp_size: int):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config, parts, tp_rank, tp_size)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -105,6 +98,16 @@ class Qwen2Model(nn.Module):
         return self.norm(x)
 
 
+def tie_weights(lm_head: nn.Module, embedding: nn.Module) -> None:
+    """Point ``lm_head.weight`` at ``embedding.weight`` (``tie_word_embeddings``): both split the vocab
+    over ranks the same way, so this rank's head rows are its embedding rows."""
+    head, emb = getattr(lm_head, "weight", None), getattr(embedding, "weight", None)
+    if not isinstance(emb, torch.Tensor) or head is None or tuple(head.shape) != tuple(emb.shape):
+        raise ValueError(f"tie_word_embeddings: the LM head's weight {tuple(getattr(head, 'shape', ()))} must have "
+                         f"the embedding's shape {tuple(getattr(emb, 'shape', ()))} on every rank")
+    lm_head.weight = emb
+
+
 class Qwen2ForCausalLM(nn.Module):
     """One rank's shard of a Qwen2 model. ``tp_rank``/``tp_size`` default to the process group's."""
 
@@ -114,14 +117,14 @@ class Qwen2ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, tp_rank: int | None = None, tp_size: int | None = None, parts: Parts = Parts()):
+    def __init__(self, config, parts, tp_rank: int | None = None, tp_size: int | None = None):
         super().__init__()
         tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
         self.model = Qwen2Model(config, parts, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = parts.lm_head(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        if config.tie_word_embeddings:  # one tensor for both: the head uses the embedding's rows
+            tie_weights(self.lm_head, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids ``(T,)`` -> final hidden states ``(T, E)``."""

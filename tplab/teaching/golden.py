@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tplab.distributed.launcher import launch, rank_device
+from tplab.engine.probe import capture, load_model, probe
+
 SUBLAYERS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
@@ -20,67 +23,35 @@ def activation_names(num_layers: int) -> list[str]:
     return names + ["model.norm", "logits"]
 
 
-def _capture(model, names, forward) -> dict[str, torch.Tensor]:
-    """Run ``forward()`` with hooks on ``names``; returns each module's output as a 2-D float tensor."""
-    acts, modules, hooks = {}, dict(model.named_modules()), []
-    for name in names:
-        if name in modules:
-            def hook(_, __, out, name=name):
-                out = out[0] if isinstance(out, tuple) else out
-                acts[name] = out.detach().float().reshape(-1, out.shape[-1]).cpu()
-            hooks.append(modules[name].register_forward_hook(hook))
-    try:
-        acts["logits"] = forward().detach().float().reshape(-1, model.config.vocab_size).cpu()
-    finally:
-        for h in hooks:
-            h.remove()
-    return acts
-
-
 def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor]:
     """HF ``Qwen2ForCausalLM``'s activations (fp32 on CPU, HF's default attention) for one prompt."""
     from transformers import Qwen2ForCausalLM
     model = model_or_dir if isinstance(model_or_dir, torch.nn.Module) else \
         Qwen2ForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
     names = activation_names(model.config.num_hidden_layers)
-    with torch.no_grad():
-        return _capture(model, names, lambda: model(torch.tensor([input_ids])).logits)
+    with torch.no_grad(), capture(model, outputs_of=names[:-1]) as (acts, _):
+        logits = model(torch.tensor([input_ids])).logits[0]
+    return {**acts, "logits": logits.float()}
 
 
-def rank_activations(cfg, input_ids):
-    """Inside a rank (or in-process at TP 1): build this rank's shard from ``cfg`` (an ``EngineConfig``),
-    prefill ``input_ids`` once with hooks, and return the activations on rank 0 (None elsewhere).
-    For ranks that already exist, e.g. ``RankGroup.run(golden.rank_activations, (cfg, ids))``."""
-    from tplab.dist import rank_device
-    from tplab.engine.engine import build_model
-    from tplab.engine.runner import ModelRunner
-    from tplab.engine.sampling import SamplingParams
-    from tplab.engine.sequence import Sequence
-    from tplab.layers.attention import build_metadata
-
-    device = cfg.device or rank_device()
-    model = build_model(cfg, device)
-    runner = ModelRunner(model, device, cfg.torch_dtype)
-    runner.allocate(1, len(input_ids))
-    seq = Sequence(0, list(input_ids), len(input_ids), SamplingParams(), block_table=[0])
-    meta = build_metadata([len(seq)], [len(seq)], [seq.block_table], runner.block_size, device,
-                          positions=runner.positions_fn(seq))
-    ids = torch.tensor(input_ids, device=device)
-    with torch.inference_mode():
-        acts = _capture(model, activation_names(len(model.model.layers)),
-                        lambda: model.compute_logits(model(ids, runner.kv_caches, meta)))
-    return acts if model.tp_rank == 0 else None
+def rank_activations(model_dir, input_ids: list[int], tensor_parallel_size: int = 1, bugs=(), parts=None,
+                     dtype: str = "float32") -> dict[str, torch.Tensor] | None:
+    """Inside a rank (or in-process at TP 1): build this rank's shard, prefill ``input_ids`` once with
+    hooks, and return the activations on rank 0 (None elsewhere). For ranks that already exist, e.g.
+    ``RankGroup.run(golden.rank_activations, (model_dir, ids, 2))``."""
+    model = load_model(model_dir, tensor_parallel_size, bugs=bugs, parts=parts, dtype=dtype,
+                       device=rank_device())
+    out = probe(model, input_ids, outputs_of=activation_names(len(model.model.layers))[:-1])
+    return {**out.outputs, "logits": out.logits.float().cpu()} if model.tp_rank == 0 else None
 
 
-def tplab_activations(model_dir, input_ids: list[int], tensor_parallel_size: int = 1, bugs=(),
+def tplab_activations(model_dir, input_ids: list[int], tensor_parallel_size: int = 1, bugs=(), parts=None,
                       dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """tplab's activations for one prompt, built with ``bugs`` swapped in; ranks spawned at TP > 1."""
-    from tplab.config import EngineConfig
-    from tplab.dist import launch
-    cfg = EngineConfig(str(model_dir), tensor_parallel_size, dtype, bugs=tuple(bugs), device="cpu")
+    """tplab's activations for one prompt, built with ``bugs``/``parts`` swapped in; ranks spawned at TP > 1."""
+    args = (str(model_dir), list(input_ids), tensor_parallel_size, tuple(bugs), parts, dtype)
     if tensor_parallel_size == 1:
-        return rank_activations(cfg, input_ids)
-    return launch(rank_activations, tensor_parallel_size, args=(cfg, input_ids))[0]
+        return rank_activations(*args)
+    return launch(rank_activations, tensor_parallel_size, args=args)[0]
 
 
 @dataclass

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 
 import torch
 
+from tplab.engine.parts import Parts, resolve
 from tplab.layers.linear import check_heads_divisible, valid_tp_sizes
 from tplab.layers.rotary import check_rope_supported
-from tplab.loader import checkpoint_files
+from tplab.models.loader import checkpoint_files
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -77,14 +78,18 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineConfig:
-    """What ``LLM(...)`` was asked for, checked against the checkpoint. Sent to every rank."""
+    """What ``LLM(...)`` was asked for, checked against the checkpoint. Sent to every rank.
+
+    ``bugs`` and ``parts`` are resolved into ``parts`` (a ``Parts``) once, here, before any rank starts.
+    """
     model: str
     tensor_parallel_size: int = 1
     dtype: str = "float32"
     seed: int = 0
-    bugs: tuple[str, ...] = ()
+    bugs: tuple[str, ...] = ()         # pitfalls from tplab.bugs.NAMES
+    parts: Parts | dict | None = None  # a learner's own parts: {field of Parts: replacement}
     device: str | None = None          # None: cuda when the backend is nccl, else cpu
     # paged KV cache and continuous batching
     block_size: int = 16               # tokens per KV block
@@ -108,8 +113,8 @@ class EngineConfig:
         for name in ("num_kv_blocks", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
-        from tplab import bugs
-        self.bugs = tuple(bugs.check_names(self.bugs))
+        self.bugs = (self.bugs,) if isinstance(self.bugs, str) else tuple(self.bugs or ())
+        self.parts = resolve(self.bugs, self.parts)
 
     def __getstate__(self):
         # Ranks need the config's numbers, not its class: a plain namespace spares every spawned

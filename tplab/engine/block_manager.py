@@ -7,12 +7,14 @@ sequence holds memory for the tokens it has, not for the longest it might become
 
 With prefix caching, every *full* block is keyed by a chained hash of its token ids
 (the hash of the block before it, and its own tokens), so two sequences with the
-same prefix find the same blocks and share them by reference count.
+same prefix find the same blocks and share them by reference count. A sequence keeps
+the hashes of its full blocks (``seq.block_hashes``), extended by one as each block fills.
+
+A sequence here is anything with ``token_ids``, ``block_table``, ``block_hashes`` and
+``num_cached_tokens`` (``tplab.engine.sequence.Sequence``).
 """
 from collections import deque
 from dataclasses import dataclass, field
-
-from tplab.engine.sequence import Sequence
 
 
 @dataclass
@@ -48,36 +50,42 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _full_block_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
-        hashes, h = [], None
-        for i in range(num_tokens // self.block_size):
-            h = chain_hash(h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            hashes.append(h)
-        return hashes
+    def _block_tokens(self, seq, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _hash_full_blocks(self, seq) -> list[int]:
+        """``seq.block_hashes``, extended to cover every full block of ``seq``: each new one chains on the last."""
+        for i in range(len(seq.block_hashes), len(seq) // self.block_size):
+            seq.block_hashes.append(chain_hash(seq.block_hashes[-1] if i else None, self._block_tokens(seq, i)))
+        return seq.block_hashes
+
+    def _cached_prefix(self, seq) -> list[int]:
         """Block ids already holding this sequence's leading full blocks (never its last token:
         that one is always recomputed, to get the logits for the next token)."""
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for i, h in enumerate(self._full_block_hashes(seq, len(seq) - 1)):
+        for i, h in enumerate(self._hash_full_blocks(seq)[:(len(seq) - 1) // self.block_size]):
             block_id = self.hash_to_block_id.get(h)
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if block_id is None or self.blocks[block_id].token_ids != tokens:  # hash collision or reused
-                break
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(seq, i):
+                break                                            # not cached, or a hash collision
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq) -> int | None:
+        """How many of ``seq``'s leading blocks are cached already, when there is room for the rest
+        (pass it to ``allocate``); None when there is not."""
         hits = self._cached_prefix(seq)
         revived = sum(self.blocks[b].ref_count == 0 for b in hits)  # shared from the free list
-        return len(self.free_block_ids) >= self.blocks_needed(len(seq)) - len(hits) + revived
+        enough = len(self.free_block_ids) >= self.blocks_needed(len(seq)) - len(hits) + revived
+        return len(hits) if enough else None
 
-    def allocate(self, seq: Sequence) -> None:
-        """Blocks for every token of ``seq`` (its prompt, or prompt + output after a preemption)."""
+    def allocate(self, seq, num_cached_blocks: int = 0) -> None:
+        """Blocks for every token of ``seq`` (its prompt, or prompt + output after a preemption); its
+        first ``num_cached_blocks`` are the cached ones ``can_allocate`` found."""
         assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
-        hits = self._cached_prefix(seq)
+        hashes = self._hash_full_blocks(seq) if self.enable_prefix_caching else []
+        hits = [self.hash_to_block_id[h] for h in hashes[:num_cached_blocks]]
         for block_id in hits:
             if self.blocks[block_id].ref_count == 0:
                 self.free_block_ids.remove(block_id)
@@ -87,24 +95,23 @@ class BlockManager:
         self.prefix_cache_hit_blocks += len(hits)
         for _ in range(self.blocks_needed(len(seq)) - len(hits)):
             seq.block_table.append(self._take_free_block())
-        for i, h in enumerate(self._full_block_hashes(seq, len(seq))[len(hits):], start=len(hits)):
-            self._register(seq.block_table[i], h, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        for i in range(len(hits), len(hashes)):
+            self._register(seq.block_table[i], hashes[i], self._block_tokens(seq, i))
 
-    def can_append(self, seq: Sequence) -> bool:
+    def can_append(self, seq) -> bool:
         """Room for the K/V of ``seq``'s newest token (position ``len(seq) - 1``)."""
         needs_block = len(seq.block_table) < self.blocks_needed(len(seq))   # the token starts a new block
         return len(self.free_block_ids) >= int(needs_block)
 
-    def may_append(self, seq: Sequence) -> None:
+    def may_append(self, seq) -> None:
         """Give ``seq`` a new block if its newest token starts one; register a block it fills."""
         if len(seq.block_table) < self.blocks_needed(len(seq)):
             seq.block_table.append(self._take_free_block())
-        if len(seq) % self.block_size == 0:
+        if self.enable_prefix_caching and len(seq) % self.block_size == 0:
             i = len(seq) // self.block_size - 1
-            self._register(seq.block_table[i], self._full_block_hashes(seq, len(seq))[-1],
-                           seq.token_ids[i * self.block_size:])
+            self._register(seq.block_table[i], self._hash_full_blocks(seq)[i], self._block_tokens(seq, i))
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq) -> None:
         """Return ``seq``'s blocks; a block goes back to the free list when no sequence uses it."""
         for block_id in reversed(seq.block_table):  # the tail first: it is the least likely to be shared
             block = self.blocks[block_id]
@@ -123,7 +130,6 @@ class BlockManager:
         return block.block_id
 
     def _register(self, block_id: int, h: int, token_ids) -> None:
-        if self.enable_prefix_caching:
-            block = self.blocks[block_id]
-            block.hash, block.token_ids = h, tuple(token_ids)
-            self.hash_to_block_id[h] = block_id
+        block = self.blocks[block_id]
+        block.hash, block.token_ids = h, tuple(token_ids)
+        self.hash_to_block_id[h] = block_id

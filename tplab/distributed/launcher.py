@@ -21,7 +21,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from tplab.rank_process import rank_main
+from tplab.distributed.rank_process import rank_main
 
 _BACKENDS = ("gloo", "nccl")
 _KILL_GRACE_S = 2.0  # SIGTERM -> SIGKILL delay when stopping ranks
@@ -180,6 +180,17 @@ class RankGroup:
 
     def run(self, fn, args=(), kwargs=None, timeout: float | None = None) -> list:
         """Call ``fn(*args, **kwargs)`` in every rank; return the per-rank results in rank order."""
+        return self._send("call", fn, args, kwargs, timeout)
+
+    def create(self, factory, args=(), kwargs=None, timeout: float | None = None) -> None:
+        """Make ``factory(*args, **kwargs)`` in every rank and keep it there for ``call``."""
+        self._send("create", factory, args, kwargs, timeout)
+
+    def call(self, method: str, args=(), kwargs=None, timeout: float | None = None) -> list:
+        """Call ``method`` of the object ``create`` made in every rank; the per-rank results in rank order."""
+        return self._send("method", method, args, kwargs, timeout)
+
+    def _send(self, kind: str, fn, args, kwargs, timeout: float | None) -> list:
         if self._ranks.stopped:
             raise RuntimeError("this RankGroup is closed (close() was called, or a rank failed or timed out); "
                                "create a new RankGroup")
@@ -187,7 +198,7 @@ class RankGroup:
         try:
             for rank, conn in enumerate(self._ranks.conns):
                 try:
-                    conn.send_bytes(pickle.dumps(("call", payload)))
+                    conn.send_bytes(pickle.dumps((kind, payload)))
                 except OSError:
                     raise _death(rank, self._ranks.procs[rank]) from None
             return self._collect(self.timeout if timeout is None else timeout)

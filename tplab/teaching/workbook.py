@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tplab.dist import pick_backend
+from tplab.distributed.launcher import pick_backend
 
 
 def model_dir() -> Path:
@@ -18,14 +18,11 @@ def model_dir() -> Path:
 
 
 def setup(seed: int = 0) -> None:
-    """Seed everything, keep library progress bars and warnings out of cell outputs, and turn on
-    ``LLM``'s finite check for the notebook (``check_finite=False`` to watch NaN flow instead)."""
+    """Seed everything, and keep library progress bars and warnings out of cell outputs."""
     random.seed(seed)
     torch.manual_seed(seed)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Every LLM a notebook makes stops at the first NaN/inf sublayer and names it (check_finite).
-    os.environ.setdefault("TPLAB_CHECK_FINITE", "1")
     from transformers.utils import logging
     logging.set_verbosity_error()
     logging.disable_progress_bar()

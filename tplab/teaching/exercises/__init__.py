@@ -47,3 +47,7 @@ def _raised_by(fn, error: BaseException) -> bool:
 def show_solution(solution) -> None:
     """Print a reference solution's source."""
     print(inspect.getsource(solution))
+
+
+# The notebooks' modules, so that `from tplab.exercises import nb01` finds them on the package.
+from tplab.teaching.exercises import nb01, nb02, nb03, nb04, nb05, nb06  # noqa: E402

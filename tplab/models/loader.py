@@ -6,6 +6,7 @@ dict. Every checkpoint tensor must land in a parameter and every parameter must 
 filled, with the shape the config implies; anything else is an error naming the
 tensor and the file.
 """
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +49,14 @@ class LazySlice:
         return tensor
 
 
+@dataclass
+class LoadReport:
+    """What one rank's load read: the checkpoint tensors it used, and how many elements it read
+    from the files (about ``1 / tp_size`` of the checkpoint when only this rank's slices are read)."""
+    names: set[str]
+    elements_read: int
+
+
 def checkpoint_files(model_dir) -> list[Path]:
     """The ``*.safetensors`` files of a checkpoint folder, or an error that says what is missing."""
     model_dir = Path(model_dir)
@@ -75,7 +84,7 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names
 
 
-def _target(model: nn.Module, name: str) -> tuple[str, object]:
+def param_for(model: nn.Module, name: str) -> tuple[str, object]:
     """Checkpoint name -> (parameter name, shard id) through ``packed_modules_mapping``."""
     for src, (dst, shard_id) in model.packed_modules_mapping.items():
         if f".{src}." in name:
@@ -83,11 +92,10 @@ def _target(model: nn.Module, name: str) -> tuple[str, object]:
     return name, None
 
 
-def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()) -> set[str]:
-    """Fill ``model``'s parameters from the checkpoint in ``model_dir``; returns the tensor names read.
+def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()) -> LoadReport:
+    """Fill ``model``'s parameters from the checkpoint in ``model_dir``, each through its ``weight_loader``.
 
     ``skip`` names checkpoint tensors to ignore (a tied ``lm_head.weight`` that was saved anyway).
-    Sets ``model.elements_read``: how many checkpoint elements this rank read from the files.
     """
     params = dict(model.named_parameters())
     expected, seen, reads = expected_checkpoint_names(model), set(), []
@@ -100,7 +108,7 @@ def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()
             for name in f.keys():
                 if name in skip:
                     continue
-                param_name, shard_id = _target(model, name)
+                param_name, shard_id = param_for(model, name)
                 if param_name not in params:
                     raise CheckpointError(f"unexpected tensor {name} in {path.name}: the model built from "
                                           "config.json has no such parameter (does config.json match the weights?)")
@@ -116,5 +124,4 @@ def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensor(s) the model needs: {shown}")
-    model.elements_read = sum(reads)  # about 1/tp_size of the checkpoint; compare bugs.full_load_per_rank
-    return seen
+    return LoadReport(seen, sum(reads))  # about 1/tp_size of the checkpoint; compare bugs.full_load_per_rank

@@ -78,28 +78,17 @@ class ShmComm:
             total += part
         return x.copy_(total)
 
+    def fits(self, x: torch.Tensor) -> bool:
+        """A CPU tensor that fits in one slot; anything else goes through the process group."""
+        return x.device.type == "cpu" and x.numel() * x.element_size() <= SLOT_BYTES
+
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.cat(self._exchange(x.contiguous()), dim=dim)
 
 
-_comm: ShmComm | None = None
-_comm_group = None                 # the process group _comm was decided for (None: undecided)
-
-
-def _applies() -> bool:
-    """Shared memory needs gloo ranks that all live on this machine, and x86's store ordering."""
+def shm_applies() -> bool:
+    """Shared memory needs gloo ranks that all live on this machine, and x86's store ordering.
+    ``TPLAB_SHM_COMM=0`` turns it off (the benchmarks compare both paths)."""
     return (os.environ.get("TPLAB_SHM_COMM", "1") != "0" and dist.get_backend() == "gloo"
             and platform.machine() in ("x86_64", "AMD64")
             and os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size()))
-
-
-def shm_comm(x: torch.Tensor) -> ShmComm | None:
-    """The shared-memory communicator for ``x``, or None where it does not apply (see ``_applies``;
-    also a non-CPU tensor or one larger than a slot). Decided once per process group, not per call:
-    this sits on the decode path, two calls per layer."""
-    global _comm, _comm_group
-    if _comm_group is not dist.group.WORLD:      # a new process group: decide (and map) anew
-        _comm, _comm_group = (ShmComm() if _applies() else None), dist.group.WORLD
-    if _comm is None or x.device.type != "cpu" or x.numel() * x.element_size() > SLOT_BYTES:
-        return None
-    return _comm

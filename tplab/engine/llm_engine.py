@@ -8,16 +8,16 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from tplab import bugs
-from tplab.cache.block_manager import BlockManager
-from tplab.config import EngineConfig
+from tplab.distributed.parallel_state import init_tp_comm, tp_rank_and_size
 from tplab.engine.checks import install_finite_check
-from tplab.engine.runner import ModelRunner
+from tplab.engine.config import EngineConfig
+from tplab.engine.model_runner import KVCacheSpec, ModelRunner
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
-from tplab.models.qwen2 import Qwen2ForCausalLM
-from tplab.parallel import tp_rank_and_size
+from tplab.models.loader import LoadReport
+from tplab.layers.attention import Attention
+from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
 
 
 def eos_token_ids(hf_config) -> frozenset[int]:
@@ -25,8 +25,10 @@ def eos_token_ids(hf_config) -> frozenset[int]:
     return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
 
 
-def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: int | None = None):
-    """This rank's shard of the model, with its weight slices read from the checkpoint."""
+def build_model(cfg: EngineConfig, device, tp_rank: int | None = None,
+                tp_size: int | None = None) -> tuple[Qwen2ForCausalLM, LoadReport]:
+    """This rank's shard of the model, built from ``cfg.parts``, with its weight slices read from the
+    checkpoint; and what the load read. ``tp_rank``/``tp_size`` default to the process group's."""
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
     if tp_size != cfg.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} but the process group has "
@@ -35,13 +37,23 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     torch.set_default_dtype(cfg.torch_dtype)  # parameters are created in the target dtype, on the device
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(cfg.hf_config, tp_rank, tp_size, bugs.parts_with(cfg.bugs))
+            model = Qwen2ForCausalLM(cfg.hf_config, cfg.parts, tp_rank, tp_size)
     finally:
         torch.set_default_dtype(default_dtype)
     # HF omits a tied lm_head.weight when saving; some checkpoints keep it anyway.
     skip = frozenset({"lm_head.weight"}) if cfg.hf_config.tie_word_embeddings else frozenset()
-    bugs.weights_loader(cfg.bugs)(model, cfg.model, skip=skip)
-    return model.eval()
+    report = cfg.parts.load_weights(model, cfg.model, skip=skip)
+    return model.eval(), report
+
+
+def kv_cache_spec(cfg: EngineConfig, block_size: int | None = None) -> KVCacheSpec:
+    """One rank's KV cache layout, from the config and the attention part's ``kv_cache_shape``."""
+    hf = cfg.hf_config
+    heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
+    shape_of = getattr(cfg.parts.attention, "kv_cache_shape", Attention.kv_cache_shape)  # optional in a part
+    block_size = block_size or cfg.block_size
+    block_shape = tuple(shape_of(1, block_size, heads, kv_heads, head_dim_of(hf)))[1:]
+    return KVCacheSpec(hf.num_hidden_layers, block_size, block_shape, cfg.torch_dtype)
 
 
 def kv_cache_budget(device: torch.device, tp_size: int) -> int:
@@ -53,14 +65,14 @@ def kv_cache_budget(device: torch.device, tp_size: int) -> int:
     return min(psutil.virtual_memory().available // 10 // tp_size, 4 << 30)
 
 
-def num_kv_blocks(cfg: EngineConfig, runner: ModelRunner, device: torch.device) -> int:
+def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
     """Blocks for this rank: from ``num_kv_blocks`` or the memory budget, never more than
     ``max_num_seqs`` sequences of ``max_position_embeddings`` tokens can use, and the same on every rank."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.tensor_parallel_size)
     useful = cfg.max_num_seqs * -(-cfg.hf_config.max_position_embeddings // cfg.block_size)
-    blocks = torch.tensor(min(budget // runner.bytes_per_block(cfg.block_size), useful))
+    blocks = torch.tensor(min(budget // spec.bytes_per_block(), useful))
     if dist.is_initialized():  # ranks must agree, or their schedulers would diverge
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN)
     if blocks < 1:
@@ -74,17 +86,20 @@ class LLMEngine:
 
     def __init__(self, cfg: EngineConfig, device):
         self.cfg, self.device = cfg, torch.device(device)
-        self.model = build_model(cfg, self.device)
+        if dist.is_initialized():
+            init_tp_comm()                 # under torchrun; a rank from tplab.launch has done it already
+        self.model, self.load_report = build_model(cfg, self.device)
         if cfg.check_finite:
             install_finite_check(self.model)
-        self.runner = ModelRunner(self.model, self.device, cfg.torch_dtype, bugs.positions_fn(cfg.bugs))
-        self.runner.allocate(num_kv_blocks(cfg, self.runner, self.device), cfg.block_size)
+        spec = kv_cache_spec(cfg)
+        self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
+                                  cfg.parts.positions)
         self.eos_ids = eos_token_ids(cfg.hf_config)
         self.max_model_len = cfg.hf_config.max_position_embeddings
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.block_manager = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size,
+                                                     cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.num_steps = 0
-
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
         """Serve every prompt with continuous batching; returns the finished sequences in prompt order."""
         seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -104,7 +119,7 @@ class LLMEngine:
         return {"num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_hit_blocks": bm.prefix_cache_hit_blocks,
                 "peak_kv_blocks_used": bm.peak_blocks_used, "num_kv_blocks": bm.num_blocks,
-                "kv_blocks_in_use": bm.num_used_blocks, "block_size": bm.block_size,
+                "kv_blocks_in_use": bm.num_used_blocks, "block_size": self.cfg.block_size,
                 "kv_cache_bytes": self.runner.kv_cache_bytes(), "num_steps": self.num_steps}
 
     def _generator(self, index: int, params: SamplingParams) -> torch.Generator | None:

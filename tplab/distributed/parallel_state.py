@@ -4,11 +4,18 @@ Layers take ``tp_rank``/``tp_size`` explicitly so that one process can build eve
 rank's shard (tests and notebooks do this). When they are left as ``None`` they come
 from the default process group, as they would inside a rank started by
 ``tplab.launch`` or ``torchrun``.
+
+How the collectives travel is decided once per process group, by ``init_tp_comm()``:
+a rank started by ``tplab.launch`` calls it as it joins the group, an engine under
+``torchrun`` as it starts. Without it they go through the process group itself.
 """
 import torch
 import torch.distributed as dist
 
-from tplab.shm_comm import shm_comm
+from tplab.distributed.shm_comm import ShmComm, shm_applies
+
+_tp_comm: ShmComm | None = None   # the shared-memory communicator of _tp_comm_group, where it applies
+_tp_comm_group = None             # the process group init_tp_comm() decided for
 
 
 def tp_rank_and_size(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
@@ -39,12 +46,29 @@ def _check_group(tp_size: int) -> None:
             "gather_output=False and combine the shards yourself")
 
 
+def init_tp_comm(use_shm: bool = True) -> None:
+    """Decide how this process group's collectives travel: shared memory when every rank is a CPU
+    rank on this machine (``shm_comm.shm_applies``), else the process group. Every rank must call it
+    (it maps a segment together); a second call for the same group does nothing."""
+    global _tp_comm, _tp_comm_group
+    if _tp_comm_group is dist.group.WORLD:
+        return
+    _tp_comm = ShmComm() if use_shm and shm_applies() else None
+    _tp_comm_group = dist.group.WORLD
+
+
+def _shm_for(x: torch.Tensor) -> ShmComm | None:
+    if _tp_comm is None or _tp_comm_group is not dist.group.WORLD or not _tp_comm.fits(x):
+        return None
+    return _tp_comm
+
+
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     """Sum ``x`` over the TP ranks in place (no-op at tp_size 1)."""
     if tp_size == 1:
         return x
     _check_group(tp_size)
-    comm = shm_comm(x)
+    comm = _shm_for(x)
     if comm is not None:
         return comm.all_reduce(x)
     dist.all_reduce(x)
@@ -56,7 +80,7 @@ def all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
     if tp_size == 1:
         return x
     _check_group(tp_size)
-    comm = shm_comm(x)
+    comm = _shm_for(x)
     if comm is not None:
         return comm.all_gather(x, dim)
     parts = [torch.empty_like(x) for _ in range(tp_size)]

@@ -1,5 +1,9 @@
-"""What runs inside a rank process started by ``tplab.dist.RankGroup``: join the group, then serve
-calls from the parent until it says close (or disappears)."""
+"""What runs inside a rank process started by ``RankGroup``: join the group, then serve calls from
+the parent until it says close (or disappears).
+
+A call is a function sent by value (``RankGroup.run``), or a method of the one object this rank
+keeps between calls (``RankGroup.create`` makes it, ``RankGroup.call`` calls it): how an ``LLM``'s
+engine lives in its ranks, as a vLLM worker does."""
 import ctypes
 import io
 import os
@@ -14,6 +18,8 @@ from datetime import timedelta
 import cloudpickle
 import torch
 import torch.distributed as dist
+
+from tplab.distributed.parallel_state import init_tp_comm
 
 
 class _Forward(io.TextIOBase):
@@ -92,6 +98,22 @@ def rank_main(rank, world_size, backend, port, timeout_s, threads, conn, parent_
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        init_tp_comm()
+
+    resident = None  # the object RankGroup.create made here, if any
+
+    def call(kind, payload):  # unpickled inside answer(): a missing module is reported too
+        nonlocal resident
+        fn, args, kwargs = cloudpickle.loads(payload)
+        if kind == "method":
+            if resident is None:
+                raise RuntimeError(f"no object to call {fn!r} on: RankGroup.create() first")
+            return getattr(resident, fn)(*args, **kwargs)
+        if kind == "create":
+            resident = None       # free the old one before building the next
+            resident = fn(*args, **kwargs)
+            return None
+        return fn(*args, **kwargs)
 
     if answer(init):
         while True:  # idle ranks block here; EOF means the parent closed our pipe
@@ -101,10 +123,7 @@ def rank_main(rank, world_size, backend, port, timeout_s, threads, conn, parent_
                 break
             if msg[0] == "close":
                 break
-
-            def call(payload=msg[1]):  # unpickled inside answer(): a missing module is reported too
-                fn, args, kwargs = cloudpickle.loads(payload)
-                return fn(*args, **kwargs)
-            answer(call)
+            answer(lambda msg=msg: call(*msg))
+    resident = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,21 +1,23 @@
-"""The seeds' pitfalls, each a drop-in replacement for one part of the engine.
+"""The pitfalls of a student's TP implementation, each a drop-in replacement for one part of the engine.
 
-``LLM(..., bugs=["mask_mul_inf"])`` builds the engine with these parts swapped in;
-the engine itself has no ``if bug:`` branches. Each replacement's docstring quotes
-the pitfall it reproduces. A bug replaces one of: a field of
-``tplab.models.qwen2.Parts`` (attention, RoPE, the linear layers), the runner's
-``positions_fn`` (``tplab.engine.runner.token_positions``), or the checkpoint
-loader (``tplab.loader.load_weights``). Bugs that replace different things combine.
+``LLM(..., bugs=["mask_mul_inf"])`` builds the engine with these parts swapped in; the engine
+itself has no ``if bug:`` branches. Each replacement's docstring quotes the review notes on the
+pitfall it reproduces. A bug replaces fields of ``tplab.Parts`` (attention, RoPE, the linear
+layers, the LM head, the positions function, the checkpoint loader); bugs that replace
+different fields combine. This module registers them with ``tplab.engine.parts``, the one
+place where parts are resolved.
 """
-import dataclasses
-import functools
-
 import torch
 import torch.nn.functional as F
 
+from tplab.engine import parts
+from tplab.engine.model_runner import token_positions
+from tplab.engine.probe import load_model, probe
 from tplab.layers.attention import Attention
-from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from tplab.layers.embed_head import ParallelLMHead
+from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, linear
 from tplab.layers.weights import materialize
+from tplab.models.loader import LoadReport, param_for, checkpoint_files, default_weight_loader
 
 
 # --- attention -------------------------------------------------------------------------------
@@ -23,7 +25,7 @@ from tplab.layers.weights import materialize
 def mask_mul_inf_attend(q, k, v, visible, scale):
     """Causal mask built as ``triu(ones) * -inf`` and added to the scores.
 
-    Seed: "you use torch.ones(...) * -inf then add it to scores; the lower triangle
+    Review notes: "you use torch.ones(...) * -inf then add it to scores; the lower triangle
     becomes 0 * -inf = NaN, so scores contain NaN and softmax spreads it everywhere."
     """
     group = q.shape[1] // k.shape[1]
@@ -36,16 +38,16 @@ def mask_mul_inf_attend(q, k, v, visible, scale):
 class RepeatedKVAttention(Attention):
     """GQA attention that repeats K/V to the query head count *before* writing them to the cache.
 
-    Seed: "you repeat_interleave k/v to match Q heads, then return (k, v) as cache ... That will
-    explode KV size". The answers stay right (a repeated head holds the same numbers); the runner
-    allocates ``H`` heads per token instead of ``H_kv``, so with a fixed ``num_kv_blocks``
+    Review notes: "you repeat_interleave k/v to match Q heads, then return (k, v) as cache ... That will
+    explode KV size". The answers stay right (a repeated head holds the same numbers); its cache
+    layout has ``H`` heads per token instead of ``H_kv``, so with a fixed ``num_kv_blocks``
     ``llm.stats()["kv_cache_bytes"]`` is ``H / H_kv`` times larger (with a fixed memory budget,
     the cache holds ``H / H_kv`` times fewer tokens).
     """
 
-    def __init__(self, num_heads, num_kv_heads, head_dim, attend):
-        super().__init__(num_heads, num_kv_heads, head_dim, attend)
-        self.cache_heads = num_heads                                # the runner sizes the cache by this
+    @staticmethod
+    def kv_cache_shape(num_blocks, block_size, num_heads, num_kv_heads, head_dim):
+        return (num_blocks, block_size, num_heads, head_dim)        # a slot per query head
 
     def forward(self, q, k, v, kv_cache, meta):
         group = self.num_heads // self.num_kv_heads
@@ -58,7 +60,7 @@ class RepeatedKVAttention(Attention):
 def no_rope_apply(q, k, cos, sin):
     """RoPE never applied: the model is blind to token order.
 
-    Seed: "your attention.py only does plain dot-product attention, with no rotary
+    Review notes: "your attention.py only does plain dot-product attention, with no rotary
     position embedding applied to q/k."
     """
     return q, k
@@ -67,7 +69,7 @@ def no_rope_apply(q, k, cos, sin):
 def rope_layout_apply(q, k, cos, sin):
     """RoPE that rotates interleaved pairs (x0, x1), (x2, x3), ... with HF's cos/sin, made for halves.
 
-    Seed: "rotary_emb returns cos/sin, you assume [B, S, D] and that it broadcasts ... relying on
+    Review notes: "rotary_emb returns cos/sin, you assume [B, S, D] and that it broadcasts ... relying on
     broadcasting happening to line up produces silent errors" (靠"广播刚好对上"会产生 silent 错误).
     Here the shapes do line up: cos/sin ``(T, 1, D)`` broadcast over q ``(T, H, D)`` for every batch.
     The layout of D does not: HF's table is ``cat(freqs, freqs)``, which pairs x_i with x_{i + D/2}
@@ -104,7 +106,7 @@ class _NarrowsDim1:
 class Dim1QKVParallelLinear(QKVParallelLinear):
     """Fused q|k|v whose loader narrows the checkpoint on dim 1 (in_features), not dim 0.
 
-    Seed: "你当前的 loader 假设 fused QKV 的格式是 [hidden_size, (Q+K+V)*head_size]，然后按 dim=1 切分
+    Review notes: "你当前的 loader 假设 fused QKV 的格式是 [hidden_size, (Q+K+V)*head_size]，然后按 dim=1 切分
     ... HuggingFace/PyTorch 的 nn.Linear.weight 标准形状是 [out_features, in_features]": a
     column-parallel layer must cut dim 0, the outputs. At TP 1 a narrow takes the whole tensor, so
     the model is exact and the mistake hides; at TP 2 each rank holds input columns reshaped into
@@ -117,7 +119,7 @@ class Dim1QKVParallelLinear(QKVParallelLinear):
 class Dim1MergedColumnParallelLinear(MergedColumnParallelLinear):
     """gate_proj | up_proj narrowed on dim 1, as ``Dim1QKVParallelLinear``.
 
-    Seed: "并且在 _shard_weight 里也是沿着 dim=1 narrow 来切分": the student's shared helper
+    Review notes: "并且在 _shard_weight 里也是沿着 dim=1 narrow 来切分": the student's shared helper
     cut dim 1 for every column-parallel weight."""
 
     def weight_loader(self, param, loaded, shard_id):
@@ -129,25 +131,19 @@ class Dim1MergedColumnParallelLinear(MergedColumnParallelLinear):
 def offby1_token_positions(seq):
     """Decode positions one ahead of the cache: the new token gets ``len(seq)``, not ``len(seq) - 1``.
 
-    Seed: "cache 的长度必须严格等于'当前 position'所代表的历史长度，否则 attention 会看错位置"
+    Review notes: "cache 的长度必须严格等于'当前 position'所代表的历史长度，否则 attention 会看错位置"
     (the cache length must strictly equal the current position), with the asserts it asked for:
     ``assert k_cache.shape[2] == position_ids.item()``. ``build_metadata`` is that assert, so
     generate raises a ValueError naming the position and the cache length. To see what the wrong
     position does to the numbers without the check, call ``decode_with_positions``.
     """
-    from tplab.engine.runner import token_positions
     positions = token_positions(seq)
     if not seq.output_token_ids:                                    # prefill: right
         return positions
     return [p + 1 for p in positions]                               # decode: len(seq), new token included
 
 
-@functools.lru_cache(maxsize=2)
-def _tp1_model(model_dir: str):
-    """One fp32 CPU model per checkpoint for ``decode_with_positions``, which a notebook calls in a loop."""
-    from tplab.config import EngineConfig
-    from tplab.engine.engine import build_model
-    return build_model(EngineConfig(model_dir, device="cpu"), torch.device("cpu"))
+_models: dict[str, torch.nn.Module] = {}   # decode_with_positions is called in a loop: one model per folder
 
 
 def decode_with_positions(model_dir, prompt: list[int], position_shift: int = 1) -> torch.Tensor:
@@ -157,116 +153,82 @@ def decode_with_positions(model_dir, prompt: list[int], position_shift: int = 1)
     RoPE at the shifted position: what ``decode_position_offby1`` would compute if the engine did
     not stop it. ``position_shift=0`` gives HF's logits for the last prompt token (TP 1, CPU).
     """
-    from tplab.engine.runner import ModelRunner
-    from tplab.layers.attention import build_metadata
-
-    n, cpu = len(prompt), torch.device("cpu")
-    model = _tp1_model(str(model_dir))
-    runner = ModelRunner(model, cpu, torch.float32)
-    runner.allocate(1, n)                                           # one block holds the whole sequence
-    with torch.inference_mode():
-        for start, end, shift in ((0, n - 1, 0), (n - 1, n, position_shift)):   # prefill, then decode one
-            meta = build_metadata([end - start], [end], [[0]], n, cpu)  # positions and slots from the cache
-            meta = dataclasses.replace(meta, positions=meta.positions + shift)  # RoPE moves, the slots stay
-            hidden = model(torch.tensor(prompt[start:end]), runner.kv_caches, meta)   # (T, E)
-        return model.compute_logits(hidden[-1:])[0]
+    key = str(model_dir)
+    model = _models.get(key) or _models.setdefault(key, load_model(key))
+    n = len(prompt)
+    prefill = probe(model, prompt[:-1], max_len=n)
+    return probe(model, prompt[-1:], positions=[n - 1 + position_shift], cache=prefill.cache).logits[0]
 
 
 # --- loading ---------------------------------------------------------------------------------
 
-def lm_head_missing_load(model, model_dir, skip=frozenset(), load=None):
-    """A loader that never fills ``lm_head``: tied or not, the head stays zeros, not the embedding.
+class UnloadedLMHead(ParallelLMHead):
+    """An LM head that computes logits with a weight nothing ever loads or ties: all zeros.
 
-    Seed: "weight_loader.py 在没有 safetensors 的情况下会用 AutoModel.from_pretrained 加载 state_dict。
+    Review notes: "weight_loader.py 在没有 safetensors 的情况下会用 AutoModel.from_pretrained 加载 state_dict。
     这通常不包含 lm_head ... logits head 没正确加载/没 tie embedding，就很容易出现'永远偏向某个
     token'的坍缩" (AutoModel has no lm_head; a head neither loaded nor tied locks generation onto
-    one token). Every logit is 0: greedy picks token 0 forever at logprob ``-log(vocab)``, and no
-    error, since the state dict had no head to check."""
-    from tplab.loader import load_weights
-    head = model.lm_head
-    del head.weight                                                 # unties it from embed_tokens
-    # A buffer, not a parameter: as with AutoModel's state dict, nothing lists a head to load.
-    head.register_buffer("weight", torch.zeros_like(model.model.embed_tokens.weight))
-    return (load or load_weights)(model, model_dir, skip=frozenset(skip) | {"lm_head.weight"})
+    one token). Its ``weight`` is tied or loaded as usual, but ``forward`` uses ``unloaded``, which
+    keeps its initial value. Every logit is 0: greedy picks token 0 forever at logprob
+    ``-log(vocab)``, and no error, since nothing checks the head that is actually used."""
+
+    def __init__(self, num_embeddings, embedding_dim, tp_rank=None, tp_size=None):
+        super().__init__(num_embeddings, embedding_dim, tp_rank=tp_rank, tp_size=tp_size)
+        self.register_buffer("unloaded", self.initial_weight(), persistent=False)
+
+    def initial_weight(self) -> torch.Tensor:
+        return torch.zeros_like(self.weight)
+
+    def forward(self, hidden, gather_output: bool = True):
+        logits = linear(hidden, self.unloaded)                      # not self.weight: (N, per_rank)
+        return self.gather(logits) if gather_output else logits
 
 
-def full_load_per_rank_load(model, model_dir, skip=frozenset()):
-    """Every rank reads the whole checkpoint (``safetensors.torch.load_file``), then narrows in memory.
+def full_load_per_rank_load(model, model_dir, skip=frozenset()) -> LoadReport:
+    """Every rank reads the whole checkpoint, then narrows in memory.
 
-    Seed: "load_and_shard_state_dict currently loads the full state dict on every rank ...
+    Review notes: "load_and_shard_state_dict currently loads the full state dict on every rank ...
     memory-wise you still hold full tensors in wrapper.state_dict on each rank" (每 rank load 全量
     state_dict, 不影响正确性). The answers are right; I/O and peak memory are not (each rank's peak
-    holds the whole checkpoint on top of its shard):
-    ``model.elements_read`` is the whole checkpoint on every rank, against about ``1 / tp_size`` of
-    it with ``tplab.loader.load_weights``, which reads slices (``safe_open(...).get_slice``)."""
+    holds the whole checkpoint on top of its shard): ``elements_read`` is the whole checkpoint on
+    every rank, against about ``1 / tp_size`` of it with ``tplab.models.loader.load_weights``,
+    which reads slices (``safe_open(...).get_slice``)."""
     from safetensors.torch import load
-    from tplab.loader import _target, checkpoint_files, default_weight_loader
-    params, model.elements_read = dict(model.named_parameters()), 0
+    params, names, elements_read = dict(model.named_parameters()), set(), 0
     for path in checkpoint_files(model_dir):
         # Every tensor, whole, in this rank's memory, as torch.load / AutoModel's state dict would be
         # (safetensors.torch.load_file would map the file instead and hide the cost).
         state_dict = load(path.read_bytes())
-        model.elements_read += sum(t.numel() for t in state_dict.values())
+        elements_read += sum(t.numel() for t in state_dict.values())
         for name, tensor in state_dict.items():
             if name not in skip:
-                param_name, shard_id = _target(model, name)
+                param_name, shard_id = param_for(model, name)
                 param = params[param_name]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+                names.add(name)
+    return LoadReport(names, elements_read)
 
 
 # --- the registry ----------------------------------------------------------------------------
 
-# name -> {what it replaces: replacement}: a field of Parts, "positions_fn" or "weights_loader".
+# name -> {field of tplab.Parts: replacement}
 _BUGS = {
     "mask_mul_inf": {"attend": mask_mul_inf_attend},
     "no_rope": {"apply_rope": no_rope_apply},
     "rope_layout": {"apply_rope": rope_layout_apply},
     "shard_dim1": {"qkv_linear": Dim1QKVParallelLinear, "gate_up_linear": Dim1MergedColumnParallelLinear},
     "kv_cache_repeated": {"attention": RepeatedKVAttention},
-    "decode_position_offby1": {"positions_fn": offby1_token_positions},
-    "lm_head_missing": {"weights_loader": lm_head_missing_load},
-    "full_load_per_rank": {"weights_loader": full_load_per_rank_load},
+    "decode_position_offby1": {"positions": offby1_token_positions},
+    "lm_head_missing": {"lm_head": UnloadedLMHead},
+    "full_load_per_rank": {"load_weights": full_load_per_rank_load},
 }
+for _name, _replacements in _BUGS.items():
+    parts.register(_name, **_replacements)
 NAMES = tuple(_BUGS)
-
-
-def check_names(names) -> list[str]:
-    """The bug names, or a ValueError listing the known ones (or naming two that clash)."""
-    names = [names] if isinstance(names, str) else list(names or ())
-    unknown = [n for n in names if n not in _BUGS]
-    if unknown:
-        raise ValueError(f"unknown bug name(s) {unknown}; known: {list(NAMES)}")
-    taken = {}
-    for n in names:
-        for target in _BUGS[n]:
-            # the two loader bugs compose (lm_head_missing wraps the other); any other target holds one
-            if target != "weights_loader" and taken.setdefault(target, n) != n:
-                raise ValueError(f"bugs {taken[target]!r} and {n!r} both replace {target}: use one at a time")
-    return names
 
 
 def describe(name: str) -> str:
     """The pitfall a bug reproduces (its replacement's docstring)."""
-    return next(iter(_BUGS[check_names([name])[0]].values())).__doc__.strip()
-
-
-def parts_with(names=()):
-    """``tplab.models.qwen2.Parts`` with the named bugs swapped in."""
-    from tplab.models.qwen2 import Parts
-    fields = {f.name for f in dataclasses.fields(Parts)}
-    swaps = {t: part for n in check_names(names) for t, part in _BUGS[n].items() if t in fields}
-    return dataclasses.replace(Parts(), **swaps)
-
-
-def positions_fn(names=()):
-    """The runner's token-position function, with the named bugs swapped in."""
-    from tplab.engine.runner import token_positions
-    return offby1_token_positions if "decode_position_offby1" in check_names(names) else token_positions
-
-
-def weights_loader(names=()):
-    """The checkpoint loader (``tplab.loader.load_weights``), with the named bugs swapped in."""
-    from tplab.loader import load_weights
-    names = check_names(names)
-    load = full_load_per_rank_load if "full_load_per_rank" in names else load_weights
-    return functools.partial(lm_head_missing_load, load=load) if "lm_head_missing" in names else load
+    if name not in _BUGS:
+        raise ValueError(f"unknown bug name {name!r}; known: {list(NAMES)}")
+    return next(iter(_BUGS[name].values())).__doc__.strip()

@@ -1,0 +1,91 @@
+"""The architecture, checked on the import graph: no import cycle anywhere in tplab (imports inside
+functions count), and the engine never imports the teaching side."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "tplab"
+ENGINE_SIDE = ("distributed", "layers", "models", "engine")
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def tplab_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """Every tplab module ``path`` imports, at any depth of its code, resolved to a module file."""
+    me, found = module_name(path), set()
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != me:
+                found.add(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    edges = {m: tplab_imports(p, set(files)) for m, p in files.items()}
+    # a package's own __init__ importing its children, and a child reaching its package, are not cycles
+    return {m: {d for d in ds if not (d.startswith(m + ".") and files[m].name == "__init__.py")
+                and not m.startswith(d + ".")} for m, ds in edges.items()}
+
+
+def test_no_import_cycle():
+    edges, state, cycles = graph(), {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in sorted(edges[m]):
+            if state.get(d) == "open":
+                cycles.append(" -> ".join(path[path.index(d):] + [d]))
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("side", ENGINE_SIDE)
+def test_engine_side_never_imports_the_teaching_side(side):
+    upward = sorted(f"{m} -> {d}" for m, ds in graph().items() if m.startswith(f"tplab.{side}")
+                    for d in ds if d.startswith("tplab.teaching"))
+    assert not upward, f"the engine imports the teaching side: {upward}"
+
+
+def test_no_file_over_300_lines():
+    long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 300}
+    assert not long, f"files over 300 lines: {long}"
+
+
+def test_the_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
+    """The checks above can fail: a fake package with both faults."""
+    fake = tmp_path / "tplab"
+    (fake / "engine").mkdir(parents=True)
+    (fake / "teaching").mkdir()
+    for f in ("__init__.py", "engine/__init__.py", "teaching/__init__.py"):
+        (fake / f).write_text("")
+    (fake / "engine" / "a.py").write_text("def f():\n    from tplab.engine import b\n")
+    (fake / "engine" / "b.py").write_text("from tplab.engine.a import f\nfrom tplab.teaching import bugs\n")
+    (fake / "teaching" / "bugs.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake)
+    with pytest.raises(AssertionError, match="tplab.engine.a -> tplab.engine.b -> tplab.engine.a"):
+        test_no_import_cycle()
+    with pytest.raises(AssertionError, match="tplab.engine.b -> tplab.teaching.bugs"):
+        test_engine_side_never_imports_the_teaching_side("engine")

@@ -1,0 +1,87 @@
+"""The one place where the engine's replaceable parts are chosen.
+
+An engine is built from a ``Parts``: the layer classes and functions its Qwen2 model is made of,
+the function that gives a step's tokens their positions, the checkpoint loader and the block
+manager. ``resolve(bugs, parts)`` starts from tplab's own, swaps in the named pitfalls
+(``LLM(bugs=[...])``, registered by ``tplab.teaching.bugs``) and a learner's own parts
+(``LLM(parts={...})``), and refuses two replacements of the same field. It runs once, in the
+process that creates the ``LLM``; the resolved ``Parts`` travels to every rank inside the
+``EngineConfig``, and nothing in the engine asks which bug is on.
+"""
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from tplab.engine.block_manager import BlockManager
+from tplab.engine.model_runner import token_positions
+from tplab.layers.attention import Attention, sdpa_attend
+from tplab.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tplab.layers.rotary import apply_rotary
+from tplab.models.loader import load_weights
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What an engine is built from. Each default's docstring is the contract a replacement keeps."""
+    embedding: type = VocabParallelEmbedding        # token ids -> hidden states, vocab split over ranks
+    lm_head: type = ParallelLMHead                  # hidden states -> full logits on every rank
+    qkv_linear: type = QKVParallelLinear            # fused q|k|v, column parallel by head
+    gate_up_linear: type = MergedColumnParallelLinear  # fused gate|up, column parallel
+    row_linear: type = RowParallelLinear            # o_proj and down_proj: partial sums, all-reduced
+    attention: type = Attention                     # writes K/V into the paged cache, then attends
+    attend: Callable = sdpa_attend                  # softmax(q k^T) v under the causal mask
+    apply_rope: Callable = apply_rotary             # rotate q, k by cos/sin
+    positions: Callable = token_positions           # the positions of the tokens a step feeds
+    load_weights: Callable = load_weights           # checkpoint -> this rank's parameters
+    block_manager: type = BlockManager              # which KV blocks each sequence holds
+
+    def replaced(self) -> dict[str, object]:
+        """The fields that differ from tplab's own parts."""
+        default = Parts()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not getattr(default, f.name)}
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Parts))
+_named: dict[str, dict[str, object]] = {}   # name -> {field: replacement}; see register()
+
+
+def register(name: str, **replacements) -> None:
+    """Make ``name`` usable as ``LLM(bugs=[name])``: it swaps in ``replacements`` (fields of ``Parts``)."""
+    unknown = sorted(set(replacements) - set(FIELDS))
+    if unknown or not replacements:
+        raise ValueError(f"{name}: replacements must name fields of Parts {list(FIELDS)}, got {sorted(replacements)}")
+    _named[name] = dict(replacements)
+
+
+def registered() -> tuple[str, ...]:
+    """The names ``register`` knows, in registration order."""
+    return tuple(_named)
+
+
+def _describe(value) -> str:
+    return getattr(value, "__qualname__", None) or type(value).__name__
+
+
+def resolve(bugs=(), parts=None) -> Parts:
+    """tplab's parts with the named bugs and then ``parts`` (a ``Parts`` or a dict of field -> replacement)
+    swapped in. Raises a ValueError naming both replacements when two of them replace the same field."""
+    names = [bugs] if isinstance(bugs, str) else list(bugs or ())
+    unknown = [n for n in names if n not in _named]
+    if unknown:
+        raise ValueError(f"unknown bug name(s) {unknown}; known: {list(_named)}")
+    mine = parts.replaced() if isinstance(parts, Parts) else dict(parts or {})
+    wrong = sorted(set(mine) - set(FIELDS))
+    if wrong:
+        raise ValueError(f"parts has unknown field(s) {wrong}; the fields of tplab.Parts are {list(FIELDS)}")
+    chosen: dict[str, tuple[str, object]] = {}      # field -> (who replaced it, replacement)
+    swaps = [(f"bug {n!r}", f, r) for n in names for f, r in _named[n].items()]
+    swaps += [(f"your part {_describe(r)}", f, r) for f, r in mine.items()]
+    for who, field, replacement in swaps:
+        if field in chosen and chosen[field][1] is replacement:
+            continue                                # the same part twice (a Parts resolved before)
+        if field in chosen:
+            raise ValueError(f"{chosen[field][0]} and {who} both replace Parts.{field}: use one at a time")
+        chosen[field] = (who, replacement)
+    return dataclasses.replace(Parts(), **{f: r for f, (_, r) in chosen.items()})
