@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The workbook's one entry point. It creates .venv in the repo and installs what it needs on first use.
-#   ./workbook.sh lab        open the notebooks in JupyterLab
-#   ./workbook.sh test       run the test suite (what CI runs); extra args go to pytest
-#   ./workbook.sh python ... run Python inside the environment (benchmarks, scripts)
+#   ./workbook.sh lab           open the workbook in JupyterLab (extra args go to jupyter lab)
+#   ./workbook.sh test          run the tests and execute the notebooks (what CI runs); extra args go to pytest
+#   ./workbook.sh doctor        check this machine before a workshop: what is missing, what will be slow
+#   ./workbook.sh test-browser  open every notebook in headless Chromium (installs Chromium: CI, not laptops)
+#   ./workbook.sh python ...    run Python inside the environment (benchmarks, scripts)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
@@ -12,22 +14,37 @@ setup() {
   local want stamp="$VENV/.tplab-installed"
   want=$(cat requirements.txt pyproject.toml | sha1sum)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "workbook: installing torch, transformers and JupyterLab into $VENV (first run only, about 2 minutes)..." >&2
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    # Pinned on its own first: 2.13.0 is the CPU build here; an unpinned torch pulls GBs of CUDA packages.
-    "$VENV/bin/python" -m pip install -q torch==2.13.0
-    "$VENV/bin/python" -m pip install -q -r requirements.txt -e .
+    # Pinned on its own first. TPLAB_TORCH_INDEX picks the build, e.g. https://download.pytorch.org/whl/cpu
+    # on a Linux laptop without a GPU (the default index's Linux torch brings GBs of CUDA libraries).
+    "$VENV/bin/python" -m pip install -q torch==2.13.0 ${TPLAB_TORCH_INDEX:+--index-url "$TPLAB_TORCH_INDEX"}
+    # (setuptools warns about editable installs in its build step: noise on a learner's first run)
+    PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q -r requirements.txt -e .
     echo "$want" > "$stamp"
   fi
+}
+
+lab_settings() {
+  # JupyterLab defaults for this environment only: no "get Jupyter news?" prompt over the first notebook.
+  mkdir -p "$VENV/share/jupyter/lab/settings"
+  echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
+    > "$VENV/share/jupyter/lab/settings/overrides.json"
 }
 
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
 cmd=${1:-}; shift || true
 case "$cmd" in
-  lab)    setup; exec "$VENV/bin/jupyter" lab notebooks/ "$@" ;;
+  lab)    setup; lab_settings
+          # The repository root is served (so tplab/ opens beside the notebooks) and the lab opens on
+          # notebooks/. Root is the default user in containers and cloud notebook machines.
+          root=(); [ "$(id -u)" = 0 ] && root=(--allow-root)
+          exec "$VENV/bin/jupyter" lab --ServerApp.root_dir="$PWD" --LabApp.default_url=/lab/tree/notebooks \
+            ${root[@]+"${root[@]}"} "$@" ;;
   test)   setup
           nb=(); compgen -G "notebooks/*.ipynb" >/dev/null && \
             nb=(--nbval-lax --nbval-sanitize-with nbval_sanitize.cfg --nbval-cell-timeout 300 notebooks)
-          exec "$VENV/bin/python" -m pytest tests "${nb[@]}" "$@" ;;
+          exec "$VENV/bin/python" -m pytest tests ${nb[@]+"${nb[@]}"} "$@" ;;
   python) setup; exec "$VENV/bin/python" "$@" ;;
   *)      sed -n '2,6p' "$0"; exit 2 ;;
 esac
