@@ -32,6 +32,20 @@ lab_settings() {
     > "$VENV/share/jupyter/lab/settings/overrides.json"
 }
 
+browser_deps() {
+  # Only for ./workbook.sh test-browser (CI): the README's test command never installs system packages.
+  if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    command -v apt-get >/dev/null || { echo "workbook: install Chromium and chromedriver (or set CHROMIUM and CHROMEDRIVER)" >&2; exit 1; }
+    echo "workbook: installing Chromium and its driver with apt-get..." >&2
+    local sudo=(); [ "$(id -u)" = 0 ] || sudo=(sudo -n)
+    ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  fi
+  export CHROMIUM=${CHROMIUM:-$(command -v chromium)} CHROMEDRIVER=${CHROMEDRIVER:-$(command -v chromedriver)}
+  "$VENV/bin/python" -c "import selenium" 2>/dev/null || {
+    echo "workbook: installing Selenium into $VENV..." >&2; "$VENV/bin/python" -m pip install -q "selenium>=4.10"; }
+}
+
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
 cmd=${1:-}; shift || true
 case "$cmd" in
@@ -45,6 +59,12 @@ case "$cmd" in
           nb=(); compgen -G "notebooks/*.ipynb" >/dev/null && \
             nb=(--nbval-lax --nbval-sanitize-with nbval_sanitize.cfg --nbval-cell-timeout 300 notebooks)
           exec "$VENV/bin/python" -m pytest tests ${nb[@]+"${nb[@]}"} "$@" ;;
+  test-browser)
+          setup; browser_deps
+          exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout 600 -v tests/browser/lab_in_chromium.py "$@" ;;
+  doctor) python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || {
+            echo "workbook: Python 3.10 or newer is needed (3.11 tested); found: $(python3 -V 2>&1)" >&2; exit 1; }
+          setup; exec "$VENV/bin/python" scripts/doctor.py "$@" ;;
   python) setup; exec "$VENV/bin/python" "$@" ;;
-  *)      sed -n '2,6p' "$0"; exit 2 ;;
+  *)      sed -n '2,7p' "$0"; exit 2 ;;
 esac
