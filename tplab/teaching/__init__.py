@@ -4,5 +4,5 @@
 ``golden``     HF's own activations by hooks, per-sublayer diffs, a cmp-style report
 ``exercises``  the learner's exercises and their checkers, ``check_part`` for whole parts
 ``workbook``   the model every notebook runs, a seeded setup, the ledger of checks
-``plotting``   the small figures the notebooks share
+``plotting``   the small figures the notebooks share; ``interact`` for widgets that keep a picture
 """

@@ -42,3 +42,11 @@ def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", f
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def interact(fn, **controls) -> None:
+    """``ipywidgets.interact(fn, **controls)`` that also saves a static picture of ``fn``'s first
+    state, so the cell shows a figure on GitHub and before the kernel runs; ``fn`` draws once per
+    state (``tplab.teaching.interactive``)."""
+    from tplab.teaching.interactive import interact as show    # ipywidgets only where a widget is shown
+    show(fn, **controls)

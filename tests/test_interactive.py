@@ -1,0 +1,68 @@
+"""plotting.interact: the live widget and a static picture of its first state, drawn once."""
+import matplotlib
+import matplotlib.pyplot as plt
+import ipywidgets
+import pytest
+
+from tplab.teaching.interactive import WIDGET_VIEW, PictureInteractive, render
+
+matplotlib.use("Agg")
+
+
+def draw(step, calls):
+    calls.append(step)
+    fig, ax = plt.subplots(figsize=(2, 1), dpi=50)
+    ax.plot([0, step], [0, step])
+    plt.show()
+    plt.close(fig)
+
+
+def test_render_keeps_text_and_figures_and_closes_them():
+    def fn(n):
+        print(f"n = {n}")
+        plt.subplots(figsize=(2, 1), dpi=50)      # shown with plt.show()
+        plt.show()
+        plt.subplots(figsize=(2, 1), dpi=50)      # left open
+    open_before = plt.get_fignums()
+    outputs = render(fn, {"n": 3})
+    assert [o["output_type"] for o in outputs] == ["stream", "display_data", "display_data"]
+    assert outputs[0]["text"] == "n = 3\n"
+    assert all(o["data"]["image/png"].startswith("iVBOR") for o in outputs[1:])    # base64 of a PNG
+    assert plt.get_fignums() == open_before
+
+
+def test_first_state_is_drawn_once_and_saved_as_a_picture():
+    calls = []
+    w = PictureInteractive(draw, step=ipywidgets.IntSlider(value=2, max=5), calls=ipywidgets.fixed(calls))
+    assert calls == [2]
+    bundle = w._repr_mimebundle_()
+    assert WIDGET_VIEW in bundle and bundle["image/png"] == w.first[0]["data"]["image/png"]
+    assert list(w.out.outputs) == w.first                     # the live widget shows the same drawing
+    assert bundle["text/plain"] == "<figure: draw(step=2)>"                 # for text-only viewers
+
+
+def test_moving_a_control_redraws_the_widget_not_the_picture():
+    calls = []
+    w = PictureInteractive(draw, step=ipywidgets.IntSlider(value=2, max=5), calls=ipywidgets.fixed(calls))
+    first_png = w._repr_mimebundle_()["image/png"]
+    w.kwargs_widgets[0].value = 4
+    assert calls == [2, 4]
+    assert w.out.outputs[0]["data"]["image/png"] != first_png
+    assert w._repr_mimebundle_()["image/png"] == first_png
+
+
+def test_printed_text_is_the_picture_when_nothing_is_drawn():
+    w = PictureInteractive(lambda k: print(f"top {k}"), k=ipywidgets.Dropdown(options=[1, 5], value=5))
+    bundle = w._repr_mimebundle_()
+    assert bundle["text/plain"] == "top 5\n" and "image/png" not in bundle
+
+
+def test_a_broken_first_state_fails_the_cell_later_ones_show_the_error():
+    def fn(x):
+        if x != 1:
+            raise ValueError(f"bad x {x}")
+    with pytest.raises(ValueError, match="bad x 0"):
+        PictureInteractive(fn, x=ipywidgets.IntSlider(value=0))
+    w = PictureInteractive(fn, x=ipywidgets.IntSlider(value=1))
+    w.kwargs_widgets[0].value = 2
+    assert w.out.outputs[0]["name"] == "stderr" and "bad x 2" in w.out.outputs[0]["text"]
