@@ -144,7 +144,8 @@ def _greedy_tokens(group, parts, tp) -> list[list[int]]:
 
 
 def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool = True) -> ExerciseResult:
-    """Stages 1 and 2 of the module docstring for ``parts`` (``{field: replacement}``) at TP 1 and ``tp``."""
+    """Stages 1 (when ``unit``) and 2 of the module docstring for ``parts`` (``{field: replacement}``) at TP 1
+    and ``tp``. ``impl`` is the learner's class or function (or a list of them), to find their lines."""
     ref = reference()
     where = "at TP 1"
     try:
@@ -189,3 +190,30 @@ def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 
     if name not in FIELDS:
         raise ValueError(f"no part named {name!r}; the parts are {list(FIELDS)}")
     return judge_in_engine(name, impl, {name: impl}, tensor_parallel_size, timeout)
+
+
+def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 120.0) -> ExerciseResult:
+    """Notebook 06's finale: every part in ``parts`` (``{field of tplab.Parts: your class}``, e.g.
+    ``workbook.your_parts()``) at once, in one engine at TP 1 and ``tensor_parallel_size``, against HF
+    sublayer by sublayer and token for token."""
+    name = "your engine"
+    unknown = sorted(set(parts) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{unknown} are not parts; the parts are {list(FIELDS)}")
+    missing = [p for p in ("embedding", "qkv_linear", "row_linear", "gate_up_linear", "lm_head") if p not in parts]
+    stubs = [p for p, impl in parts.items() if p in SPECS and _is_stub(impl, p)]
+    if not parts or stubs:
+        return ExerciseResult(name, None, f"{NOT_DONE}; still a stub: {stubs or 'every part'}")
+    result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
+    if result.ok and missing:
+        result.message += f" (tplab's own {', '.join(missing)}: write them too to make it all yours)"
+    return result
+
+
+def _is_stub(impl, name) -> bool:
+    """Whether ``impl`` is still the exercise's stub: building and loading it raises its own NotImplementedError."""
+    try:
+        run_probe(impl, SPECS[name](1), 0, 1)
+    except Exception as e:
+        return is_stub_error(impl, e)
+    return False
