@@ -25,13 +25,18 @@ from tplab.engine.probe import load_model, probe
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.worker import Worker
 from tplab.models.checkpoints import tiny_stories
-from tplab.teaching.exercises import NOT_DONE, ExerciseResult, is_stub_error, own_code
+from tplab.teaching.exercises import NOT_DONE, ExerciseResult, attention_probe, is_stub_error, own_code
 from tplab.teaching.exercises.layer_diagnoses import DIAGNOSE
 from tplab.teaching.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
 from tplab.teaching.golden import activation_names, hf_activations
 
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and"]
 NEW_TOKENS, TOL = 12, 1e-4
+LOCAL_PROBES = {"attention": attention_probe}     # parts without collectives: probed in this process only
+HINTS = {  # part -> (words in an error, what they usually mean)
+    "attention": ("shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
+                           "per slot) has no room for them: store the KV heads, repeat only for the scores"),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,7 +126,10 @@ def _exception_result(name, impl, error, where) -> ExerciseResult:
                               "`if tp_rank == 0:`, or a rank that returns before it)")
     import traceback
     text = "".join(traceback.format_exception(error))
-    return ExerciseResult(name, False, f"{where}: raised {type(error).__name__}: {error}{learner_line(impl, text)}")
+    words, hint = HINTS.get(name, (None, ""))
+    hint = f". Hint: {hint}" if words and words in str(error) else ""
+    return ExerciseResult(name, False, f"{where}: raised {type(error).__name__}: {error}"
+                                       f"{learner_line(impl, text)}{hint}")
 
 
 def _describe_diffs(tp, per_rank) -> str | None:
@@ -155,6 +163,10 @@ def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool
                 ok, why = DIAGNOSE[name](spec, [run_probe(impl, spec, 0, 1, forward)], 1)
                 if not ok:
                     return ExerciseResult(name, False, f"the layer alone at TP 1: {why.removeprefix('rank 0: ')}")
+        if unit and name in LOCAL_PROBES:
+            ok, why = LOCAL_PROBES[name].diagnose(LOCAL_PROBES[name].run(impl))
+            if not ok:
+                return ExerciseResult(name, False, f"the part alone: {why}")
         acts1 = _engine_acts(ref["model"], ref["prompts"][0], 1, parts)
         where = f"at TP {tp}"
         with RankGroup(tp, timeout=timeout) as group:
@@ -201,7 +213,7 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
     if unknown:
         raise ValueError(f"{unknown} are not parts; the parts are {list(FIELDS)}")
     missing = [p for p in ("embedding", "qkv_linear", "row_linear", "gate_up_linear", "lm_head") if p not in parts]
-    stubs = [p for p, impl in parts.items() if p in SPECS and _is_stub(impl, p)]
+    stubs = [p for p, impl in parts.items() if _is_stub(impl, p)]
     if not parts or stubs:
         return ExerciseResult(name, None, f"{NOT_DONE}; still a stub: {stubs or 'every part'}")
     result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
@@ -211,9 +223,12 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
 
 
 def _is_stub(impl, name) -> bool:
-    """Whether ``impl`` is still the exercise's stub: building and loading it raises its own NotImplementedError."""
+    """Whether ``impl`` is still the exercise's stub: probing it raises its own NotImplementedError."""
     try:
-        run_probe(impl, SPECS[name](1), 0, 1)
+        if name in SPECS:
+            run_probe(impl, SPECS[name](1), 0, 1)
+        elif name in LOCAL_PROBES:
+            LOCAL_PROBES[name].run(impl)
     except Exception as e:
         return is_stub_error(impl, e)
     return False
