@@ -25,14 +25,19 @@ from tplab.engine.probe import load_model, probe
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.worker import Worker
 from tplab.models.checkpoints import tiny_stories
-from tplab.teaching.exercises import NOT_DONE, ExerciseResult, attention_probe, is_stub_error, own_code
+from tplab.teaching.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
+                                      own_code)
 from tplab.teaching.exercises.layer_diagnoses import DIAGNOSE
 from tplab.teaching.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
 from tplab.teaching.golden import activation_names, hf_activations
 
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and"]
+# a shared prefix, more KV than the cache holds: the block manager shares blocks, preempts and recomputes
+WORKLOAD = [PROMPTS[0] + " girl", PROMPTS[0] + " boy", PROMPTS[0] + " dog", PROMPTS[0] + " bird"]
+WORKLOAD_ENGINE = dict(block_size=4, num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=True)
 NEW_TOKENS, TOL = 12, 1e-4
-LOCAL_PROBES = {"attention": attention_probe}     # parts without collectives: probed in this process only
+LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
+                "block_manager": block_manager_probe}
 HINTS = {  # part -> (words in an error, what they usually mean)
     "attention": ("shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
                            "per slot) has no room for them: store the KV heads, repeat only for the scores"),
@@ -46,12 +51,13 @@ def reference() -> dict:
     model_dir = tiny_stories()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    prompts, workload = ([tokenizer.encode(p) for p in texts] for texts in (PROMPTS, WORKLOAD))
     with torch.no_grad():
-        tokens = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                              do_sample=False)[0, len(p):].tolist() for p in prompts]
-    return {"model": str(model_dir), "prompts": prompts, "tokens": tokens,
-            "acts": hf_activations(hf, prompts[0])}
+        tokens, workload_tokens = ([hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                min_new_tokens=NEW_TOKENS)[0, len(p):].tolist() for p in ps]
+                                   for ps in (prompts, workload))
+    return {"model": str(model_dir), "prompts": prompts, "tokens": tokens, "acts": hf_activations(hf, prompts[0]),
+            "workload": workload, "workload_tokens": workload_tokens}
 
 
 def _checked(obj):
@@ -143,12 +149,17 @@ def _describe_diffs(tp, per_rank) -> str | None:
             f"{diff:.1e}{ranks}; everything before it matches")
 
 
-def _greedy_tokens(group, parts, tp) -> list[list[int]]:
-    ref = reference()
-    cfg = EngineConfig(model=ref["model"], tensor_parallel_size=tp, parts=parts, device="cpu")
-    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(ref["prompts"])
+def _serve(group, parts, tp) -> tuple[list, list[list[int]], dict]:
+    """Greedy tokens through one engine of ``parts`` in ``group``: the prompts, or with a block manager part
+    the workload (shared prefixes, a cache too small for all); and the HF tokens to compare with, the stats."""
+    ref, workload = reference(), "block_manager" in parts
+    settings = WORKLOAD_ENGINE if workload else {}
+    prompts = ref["workload" if workload else "prompts"]
+    cfg = EngineConfig(model=ref["model"], tensor_parallel_size=tp, parts=parts, device="cpu", **settings)
     group.create(Worker, (cfg,))
-    return [ids for ids, _, _ in group.call("generate", (ref["prompts"], params))[0]]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
+    tokens = [ids for ids, _, _ in group.call("generate", (prompts, params))[0]]
+    return tokens, ref["workload_tokens" if workload else "tokens"], group.call("stats")[0]
 
 
 def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool = True) -> ExerciseResult:
@@ -177,21 +188,27 @@ def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool
                     if not ok:
                         return ExerciseResult(name, False, f"the layer alone at TP {tp}, {why}")
             acts = group.run(_engine_acts, (ref["model"], ref["prompts"][0], tp, parts))
-            tokens = _greedy_tokens(group, parts, tp)
+            tokens, want, stats = _serve(group, parts, tp)
     except Exception as e:  # the learner's code raised, here or in a rank; or the ranks hung
         return _exception_result(name, impl, e, where)
     for size, rank_acts in ((1, [acts1]), (tp, acts)):
         why = _describe_diffs(size, [_first_diff(ref["acts"], a) for a in rank_acts])
         if why:
             return ExerciseResult(name, False, why)
-    if tokens != ref["tokens"]:
-        i = next(i for i, (a, b) in enumerate(zip(tokens, ref["tokens"])) if a != b)
+    if tokens != want:
+        i = next(i for i, (a, b) in enumerate(zip(tokens, want)) if a != b)
         return ExerciseResult(name, False, f"prefill matches HF, but the greedy tokens of prompt {i} at TP {tp} "
-                              f"differ: {tokens[i]} vs HF's {ref['tokens'][i]} (decode steps go wrong)")
+                              f"differ: {tokens[i]} vs HF's {want[i]} (decode steps go wrong)")
+    if "block_manager" in parts and not (stats["num_preemptions"] and stats["prefix_cache_hit_blocks"]):
+        return ExerciseResult(name, False, f"the tokens are right, but the workload should have preempted and hit "
+                              f"the prefix cache: {stats['num_preemptions']} preemptions, "
+                              f"{stats['prefix_cache_hit_blocks']} prefix-cache hit blocks")
     worst = max(_worst(ref["acts"], a) for a in [acts1, *acts])
+    served = (f", {stats['num_preemptions']} preemption(s) and {stats['prefix_cache_hit_blocks']} prefix-cache hit "
+              "blocks on the way" if "block_manager" in parts else "")
     return ExerciseResult(name, True, f"inside the engine every sublayer is within {TOL:g} of HF at TP 1 and TP "
                           f"{tp} on every rank (worst {worst:.1e}), and {len(tokens)} x {NEW_TOKENS} greedy tokens "
-                          f"at TP {tp} equal HF's")
+                          f"at TP {tp} equal HF's{served}")
 
 
 def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 90.0) -> ExerciseResult:
