@@ -180,13 +180,13 @@ def shut_down_kernels(url: str, token: str):
         get(f"{url}/api/sessions/{session['id']}", token, method="DELETE")
 
 
-def scroll_to_cell(d, index: int):
+def scroll_to_cell(d, index: int, block: str = "start"):
     """Scroll until cell ``index`` is in the page, then into view; return its element."""
     for _ in range(200):
         cell = d.execute_script(f"""return document.querySelector(
             '.jp-Notebook .jp-Cell[data-windowed-list-index="{index}"]')""")
         if cell is not None:
-            d.execute_script("arguments[0].scrollIntoView({block: 'start'})", cell)
+            d.execute_script(f"arguments[0].scrollIntoView({{block: '{block}'}})", cell)
             time.sleep(0.5)
             return cell
         d.execute_script("document.querySelector('.jp-WindowedPanel-outer').scrollTop += 600")
@@ -248,6 +248,7 @@ def test_notebook_01_runs_from_the_ui_and_its_slider_redraws(lab, browser, on_di
         texts = browser.execute_script(CELLS_JS).values()
         return any(re.search(r"all \d+ checks held", t["text"]) for t in texts)
     wait_for(checks_held, 300, "notebook 01 to print 'all N checks held' after Run All", every=2)
+    scroll_to_cell(browser, len(saved) - 1, block="end")
     browser.save_screenshot(str(SHOTS / "01-run-all-done.png"))
 
     cell = scroll_to_cell(browser, slider_cell)
