@@ -15,6 +15,7 @@ rank and the learner's line; ranks that hang are stopped at ``timeout``.
 import functools
 import linecache
 import re
+import traceback
 
 import torch
 
@@ -38,10 +39,13 @@ WORKLOAD_ENGINE = dict(block_size=4, num_kv_blocks=14, max_num_seqs=4, enable_pr
 NEW_TOKENS, TOL = 12, 1e-4
 LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
                 "block_manager": block_manager_probe}
-HINTS = {  # part -> (words in an error, what they usually mean)
-    "attention": ("shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
+HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
+    ("attention", "shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
                            "per slot) has no room for them: store the KV heads, repeat only for the scores"),
-}
+    (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
+           "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
+           "all_gather(x, tp_size), which do"),
+]
 
 
 @functools.lru_cache(maxsize=1)
@@ -124,16 +128,15 @@ def _exception_result(name, impl, error, where) -> ExerciseResult:
         last = error.remote_traceback.strip().splitlines()[-1] if error.remote_traceback else str(error)
         if last.startswith("NotImplementedError") and learner_line(impl, error.remote_traceback):
             return ExerciseResult(name, None, NOT_DONE)
+        hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in last)
         return ExerciseResult(name, False, f"{where}, rank {error.rank} raised {last}"
-                                           f"{learner_line(impl, error.remote_traceback)}")
+                                           f"{learner_line(impl, error.remote_traceback)}{hint}")
     if isinstance(error, TimeoutError):
         return ExerciseResult(name, False, f"{where}: the ranks did not finish in time and were all stopped. A "
                               "collective that not every rank reaches waits forever (e.g. an all_reduce inside "
                               "`if tp_rank == 0:`, or a rank that returns before it)")
-    import traceback
     text = "".join(traceback.format_exception(error))
-    words, hint = HINTS.get(name, (None, ""))
-    hint = f". Hint: {hint}" if words and words in str(error) else ""
+    hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in str(error))
     return ExerciseResult(name, False, f"{where}: raised {type(error).__name__}: {error}"
                                        f"{learner_line(impl, text)}{hint}")
 
