@@ -180,8 +180,11 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
         raise ValueError(f"{unknown} are not parts; the parts are {list(FIELDS)}")
     missing = [p for p in ("embedding", "qkv_linear", "row_linear", "gate_up_linear", "lm_head") if p not in parts]
     stubs = [p for p, impl in parts.items() if _is_stub(impl, p)]
-    if not parts or stubs:
-        return ExerciseResult(name, None, f"{NOT_DONE}; still a stub: {stubs or 'every part'}")
+    if not parts:
+        return ExerciseResult(name, None, "not attempted yet: write the part exercises (notebooks 02, 04, 05 and "
+                                          "06: `# Exercise: row_linear` ...), run their cells, then this one")
+    if stubs:
+        return ExerciseResult(name, None, f"{NOT_DONE}; still stubs: {', '.join(stubs)}")
     result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
     if result.ok and missing:
         result.message += f" (tplab's own {', '.join(missing)}: write them too to make it all yours)"
