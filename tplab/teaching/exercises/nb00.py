@@ -20,6 +20,8 @@ BASE = 8                    # one octal digit per rank: how many times its value
 TIMEOUT_S = 60.0            # a ring whose sends and recvs do not pair up waits forever; stop it
 COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
                "broadcast", "reduce", "all_to_all", "all_to_all_single", "all_gather_object")
+HINT_HANG = ("that never comes. Every send needs a matching recv: send to the right neighbour (rank + 1) % world, "
+             "receive from the left one (rank - 1) % world, the same number of steps on every rank")
 HINT_ORDER = ("at reduce-scatter step s, send chunk (rank - s) % world and add what arrives into chunk "
               "(rank - s - 1) % world; at all-gather step s, send chunk (rank + 1 - s) % world and copy what "
               "arrives into chunk (rank - s) % world")
@@ -140,6 +142,9 @@ def _rank_error(fn, error: RankError, world: int, case):
         return None, ""
     first = getattr(getattr(fn, "__code__", None), "co_firstlineno", None)
     where = f" (line {int(lines[-1]) - first + 1} of {name})" if lines and first else ""
+    if "Timed out waiting" in summary:                # gloo's own timeout on a recv that nobody answers
+        return False, (f"world size {world}: rank {error.rank} timed out in a recv{where}: it waited for a "
+                       f"message {HINT_HANG}")
     return False, f"{summary}{where}"
 
 
@@ -173,10 +178,7 @@ def _compare(fn, world_sizes=WORLD_SIZES, timeout=TIMEOUT_S):
         except RankError as e:
             return _rank_error(fn, e, world, case)
         except TimeoutError:
-            return False, (f"world size {world}: no answer within {timeout:g} s, so a rank waits for a message "
-                           "that never comes. Every send needs a matching recv: send to the right neighbour "
-                           "(rank + 1) % world, receive from the left one (rank - 1) % world, the same number "
-                           "of steps on every rank")
+            return False, f"world size {world}: no answer within {timeout:g} s, so a rank waits for a message {HINT_HANG}"
     return True, (f"equal to dist.all_reduce on every rank at world sizes {', '.join(map(str, world_sizes))}, "
                   "for lengths divisible by the world size and not, and a random (3, 5) tensor")
 
