@@ -28,11 +28,11 @@ def mask_mul_inf_attend(q, k, v, visible, scale):
     Review notes: "you use torch.ones(...) * -inf then add it to scores; the lower triangle
     becomes 0 * -inf = NaN, so scores contain NaN and softmax spreads it everywhere."
     """
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = q @ k.transpose(-1, -2) * scale                        # (B, H, Lq, Lk)
+    group = q.shape[0] // k.shape[0]                                # q (H, Lq, D), k, v (H_kv, Lk, D)
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = q @ k.transpose(-1, -2) * scale                        # (H, Lq, Lk)
     mask = (~visible).to(scores.dtype) * float("-inf")              # 1 * -inf = -inf, but 0 * -inf = NaN
-    return F.softmax(scores + mask, dim=-1) @ v
+    return F.softmax(scores + mask, dim=-1) @ v                     # (H, Lq, D)
 
 
 class RepeatedKVAttention(Attention):

@@ -13,7 +13,7 @@ import re
 import torch
 
 from tplab.distributed.launcher import RankError, RankGroup
-from tplab.teaching.exercises import ExerciseResult, _raised_by, run_checker
+from tplab.teaching.exercises import FORGOT_RETURN, ExerciseResult, is_stub_error, run_checker
 
 WORLD_SIZES = (3, 2)        # 3 first: with 2 ranks, "rank + step" and "rank - step" pick the same chunk
 BASE = 8                    # one octal digit per rank: how many times its value was summed in
@@ -113,7 +113,7 @@ def _judge(world: int, case, per_rank) -> str | None:
     for rank, (out, ref, _) in enumerate(per_rank):
         where = f"world size {world}, rank {rank}, x of shape {tuple(ref.shape)}"
         if out is None:
-            return "returned None: did you forget `return`?"
+            return FORGOT_RETURN
         if not isinstance(out, torch.Tensor):
             return f"returned {type(out).__name__}, expected a torch.Tensor shaped like x"
         if tuple(out.shape) != tuple(ref.shape):
@@ -129,7 +129,7 @@ def _judge(world: int, case, per_rank) -> str | None:
 
 
 def _rank_error(fn, error: RankError, world: int, case):
-    """A learner's exception in a rank: the stub's NotImplementedError is "not attempted", else say where."""
+    """A learner's exception in a rank, with the line of ``fn`` it came from."""
     summary = str(error).splitlines()[0]
     if error.remote_traceback == "" and isinstance(case, int) and case % world:
         return False, (f"world size {world}, x of {case} elements: {summary}. gloo stops a rank whose recv "
@@ -138,25 +138,26 @@ def _rank_error(fn, error: RankError, world: int, case):
                        f"buffer: the chunk order is off. {HINT_ORDER}")
     name = getattr(fn, "__name__", "fn")
     lines = re.findall(rf'line (\d+), in {re.escape(name)}\b', error.remote_traceback)
-    if "NotImplementedError" in summary and lines:
-        return None, ""
     first = getattr(getattr(fn, "__code__", None), "co_firstlineno", None)
     where = f" (line {int(lines[-1]) - first + 1} of {name})" if lines and first else ""
     if "Timed out waiting" in summary:                # gloo's own timeout on a recv that nobody answers
         return False, (f"world size {world}: rank {error.rank} timed out in a recv{where}: it waited for a "
                        f"message {HINT_HANG}")
+    if "NotImplementedError" in summary:              # the stub's raise, after some code of the learner's
+        return False, f"{summary}{where}: the stub's `raise NotImplementedError` is still there"
     return False, f"{summary}{where}"
 
 
-def _untouched_stub(fn) -> bool:
-    """The stub raises NotImplementedError before anything else: recognise it without starting ranks."""
+def _reraise_untouched_stub(fn) -> None:
+    """The stub raises NotImplementedError before anything else: pass that on to ``run_checker`` (which
+    reports "not attempted") without starting ranks. Anything else is for the real check, in ranks."""
     try:
         fn(torch.zeros(4))
     except NotImplementedError as e:
-        return _raised_by(fn, e)
-    except Exception:        # e.g. no process group in this process: the real check runs in ranks
-        return False
-    return False
+        if is_stub_error(fn, e):
+            raise
+    except Exception:        # e.g. no process group in this process
+        pass
 
 
 def _cases(world: int) -> list:
@@ -165,8 +166,7 @@ def _cases(world: int) -> list:
 
 
 def _compare(fn, world_sizes=WORLD_SIZES, timeout=TIMEOUT_S):
-    if _untouched_stub(fn):
-        return None, ""
+    _reraise_untouched_stub(fn)
     for world in world_sizes:
         case = None
         try:

@@ -1,4 +1,4 @@
-"""Reference solution of notebook 00's exercise: all-reduce built by hand as a ring."""
+# Exercise: ring_all_reduce (reference solution)
 import torch
 
 
