@@ -21,17 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
 # Measured on the workbook's reference machine (2 cores of an AMD EPYC shared with other jobs, load
-# average 6-14, torch 2.13.0+cpu): each notebook's nbval run in a fresh kernel, one notebook at a time
+# average 3.4-5.4, torch 2.13.0+cpu): each notebook's nbval run in a fresh kernel, one notebook at a time
 # (as committed), and this script's two-rank run beside each (median). docs/workshop.md has the table.
 # Estimates for another machine scale by the ratio of its two-rank run to this one.
-REFERENCE_RANKS_SECONDS = 9.0
+REFERENCE_RANKS_SECONDS = 4.1
 REFERENCE_NOTEBOOK_SECONDS = {
-    "01_causal_mask_nan": 50,
-    "02_sharding_column_row": 68,
-    "03_rope_shapes": 31,
-    "04_gqa_kv_cache": 71,
-    "05_paged_attention": 45,
-    "06_full_tp_generation": 101,
+    "00_why_tensor_parallel": 21,
+    "01_causal_mask_nan": 39,
+    "02_sharding_column_row": 38,
+    "03_rope_shapes": 28,
+    "04_gqa_kv_cache": 45,
+    "05_paged_attention": 19,
+    "06_full_tp_generation": 55,
 }
 SLOW_SECONDS = 120            # a notebook a room waits on longer than this gets named
 # Notebook 06 at its peak (kernel, HF's model, TP 1/2/4 ranks): 2.3 GiB PSS, 3.4 GiB summed RSS, measured
