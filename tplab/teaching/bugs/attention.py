@@ -1,0 +1,43 @@
+"""Attention pitfalls: the causal mask, and what the KV cache holds.
+
+Shape legend: B sequences, H / H_kv query / KV heads on this rank, Lq / Lk queries / keys of
+one sequence, T new tokens in the step, D head_dim.
+"""
+import torch.nn.functional as F
+
+from tplab.layers.attention import Attention
+
+
+def mask_mul_inf_attend(q, k, v, visible, scale):
+    """Causal mask built as ``triu(ones) * -inf`` and added to the scores.
+
+    Review notes: "you use torch.ones(...) * -inf then add it to scores; the lower triangle
+    becomes 0 * -inf = NaN, so scores contain NaN and softmax spreads it everywhere."
+    """
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) * scale                        # (B, H, Lq, Lk)
+    mask = (~visible).to(scores.dtype) * float("-inf")              # 1 * -inf = -inf, but 0 * -inf = NaN
+    return F.softmax(scores + mask, dim=-1) @ v
+
+
+class RepeatedKVAttention(Attention):
+    """GQA attention that repeats K/V to the query head count *before* writing them to the cache.
+
+    Review notes: "you repeat_interleave k/v to match Q heads, then return (k, v) as cache ... That will
+    explode KV size". In tplab's paged cache, sized for this layout, the answers stay right (a repeated
+    head holds the same numbers); its cache layout has ``H`` heads per token instead of ``H_kv``, so
+    with a fixed ``num_kv_blocks`` ``llm.stats()["kv_cache_bytes"]`` is ``H / H_kv`` times larger
+    (with a fixed memory budget, the cache holds ``H / H_kv`` times fewer tokens). The student's
+    concatenated cache was not resized: there the next step's ``torch.cat`` of ``H`` cached heads
+    with ``H_kv`` new ones fails (notebook 04).
+    """
+
+    @staticmethod
+    def kv_cache_shape(num_blocks, block_size, num_heads, num_kv_heads, head_dim):
+        return (num_blocks, block_size, num_heads, head_dim)        # a slot per query head
+
+    def forward(self, q, k, v, kv_cache, meta):
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (T, H, D), cached so
+        return super().forward(q, k, v, kv_cache, meta)
