@@ -2,6 +2,7 @@
 import math
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import hf_greedy
@@ -135,3 +136,13 @@ def test_lm_head_random_is_exact_through_the_last_norm_and_wrong_at_the_logits(c
     with LLM(folder, tensor_parallel_size=2, bugs=["lm_head_random"]) as llm:
         out = llm.generate([PROMPT], GREEDY)[0]
     assert out.token_ids != hf_greedy(hf_model(folder), PROMPT, GREEDY.max_tokens)[0]
+
+
+def test_greedy_with_positions_is_hf_at_shift_0_and_off_at_every_decode_step_at_shift_1(checkpoint, hf_model):
+    folder = checkpoint("untied")
+    ref, _ = hf_greedy(hf_model(folder), PROMPT, 8)
+    assert bugs.greedy_with_positions(folder, PROMPT, 8, 0)[0] == ref
+    _, right = bugs.greedy_with_positions(folder, PROMPT, 8, 0, follow=ref)
+    _, shifted = bugs.greedy_with_positions(folder, PROMPT, 8, 1, follow=ref)
+    assert torch.equal(shifted[0], right[0])                        # the first token comes from the prefill
+    assert (shifted[1:] - right[1:]).abs().amax(-1).min() > 1e-3    # every decoded step is off

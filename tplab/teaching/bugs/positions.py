@@ -41,19 +41,24 @@ def decode_with_positions(model_dir, prompt: list[int], position_shift: int = 1)
     return probe(model, prompt[-1:], positions=[n - 1 + position_shift], cache=prefill.cache).logits[0]
 
 
-def greedy_with_positions(model_dir, prompt: list[int], max_new_tokens: int, position_shift: int = 1) -> list[int]:
-    """Greedy tokens after ``prompt`` when every decoded token sits ``position_shift`` places ahead.
+def greedy_with_positions(model_dir, prompt: list[int], max_new_tokens: int, position_shift: int = 1,
+                          follow: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens after ``prompt`` when every decoded token sits ``position_shift`` places ahead, and the
+    logits ``(max_new_tokens, vocab)`` each step saw.
 
     The prompt is prefilled at the right positions (as ``decode_position_offby1`` does); each generated
     token is then fed at position ``cache length + position_shift``, so its RoPE and the key it leaves
-    in the cache are both shifted, and every later step attends over those keys: the harm compounds.
+    in the cache are both shifted, and every later step attends over those keys. ``follow`` feeds these
+    tokens instead of the argmax (to compare step by step along another run's tokens).
     ``position_shift=0`` is HF's greedy continuation (TP 1, CPU).
     """
     model = _model(model_dir)
     out = probe(model, prompt, max_len=len(prompt) + max_new_tokens)
-    tokens = []
-    for _ in range(max_new_tokens):
-        tokens.append(int(out.logits[-1].argmax()))
-        n = out.cache.num_tokens                                    # tokens already cached
-        out = probe(model, tokens[-1:], positions=[n + position_shift], cache=out.cache)
-    return tokens
+    tokens, logits = [], []
+    for step in range(max_new_tokens):
+        logits.append(out.logits[-1])
+        tokens.append(int(out.logits[-1].argmax()) if follow is None else int(follow[step]))
+        if step + 1 < max_new_tokens:
+            n = out.cache.num_tokens                                # tokens already cached
+            out = probe(model, tokens[-1:], positions=[n + position_shift], cache=out.cache)
+    return tokens, torch.stack(logits)
