@@ -1,14 +1,19 @@
 """Causal self-attention over a KV cache addressed by slots, shared by prefill and decode.
 
-A step packs the new tokens of B sequences into one flat batch of T tokens. The
-KV cache of a layer is ``(num_blocks, block_size, H_kv, D)`` for K and for V; a
-token at position p of a sequence lives in slot ``block_table[p // block_size] *
-block_size + p % block_size``. A contiguous cache is the special case of one block
-per sequence that is as long as the longest sequence.
+A step packs the new tokens of B sequences one after another into a flat batch of T tokens
+(a whole prompt, a chunk of one, or one decode token each). The KV cache of a layer is
+``(num_blocks, block_size, H_kv, D)`` for K and for V; token p of a sequence lives in slot
+``block_table[p // block_size] * block_size + p % block_size`` of the flattened
+``(num_blocks * block_size, H_kv, D)`` cache.
 
-Shape legend: T new tokens in the step, B sequences, Lq the longest query (new
-tokens of one sequence), Lk the longest context (cached + new), H query heads and
-H_kv KV heads on this rank, D head_dim.
+Attention runs sequence by sequence: the ``Lq`` new queries of one sequence against exactly
+its ``Lk`` keys (cached + new), under an ``(Lq, Lk)`` causal mask. Nothing is padded to the
+longest sequence of the step, so no score or mask tensor is larger than one sequence's
+chunk needs, and a decode step reads only the slots its sequences hold.
+
+Shape legend: T new tokens in the step, B sequences, Lq new tokens of one sequence, Lk its
+keys (cached + new, ``Lk >= Lq``), N the keys of all B sequences, H query heads and H_kv KV
+heads on this rank, D head_dim.
 """
 from dataclasses import dataclass
 
@@ -19,79 +24,139 @@ from torch import nn
 
 @dataclass
 class AttentionMetadata:
-    """Where a step's tokens go in the cache and what each query may see. Built once per step."""
-    positions: torch.Tensor     # (T,)  position of each new token in its sequence
-    slot_mapping: torch.Tensor  # (T,)  cache slot each new token's K/V is written to
-    q_index: torch.Tensor       # (B, Lq) index into the T tokens of query i of sequence b (padded with 0)
-    q_packed: torch.Tensor      # (T,)  row of each new token in the flattened (B * Lq) query grid
-    kv_slots: torch.Tensor      # (B, Lk) cache slot of key position j of sequence b (padded with a real slot)
-    visible: torch.Tensor       # (B, 1, Lq, Lk) bool: True where query i may attend to key j
+    """Where a step's new tokens go in the cache, and which keys each sequence reads. Built once
+    per step (``build_metadata``) and read by every layer.
 
-
-def causal_visible(query_lens: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """``(B, 1, Lq, Lk)`` booleans: query i of sequence b sees keys ``j <= context - query_len + i``.
-
-    Booleans, applied with ``masked_fill``/``where`` (or SDPA's bool mask), never
-    ``ones * -inf``: IEEE says ``0 * -inf = NaN``, and one NaN in a score row
-    turns the whole softmax row into NaN.
+    Sequence b owns new tokens ``query_start_loc[b]:query_start_loc[b + 1]`` of the T packed
+    tokens, and its keys are ``kv_slots[kv_start_loc[b]:kv_start_loc[b + 1]]``: the cache slots of
+    its positions ``0 .. seq_lens[b] - 1``, in order (its cached tokens, then this step's).
     """
-    i = torch.arange(int(query_lens.max()))[None, :, None]          # (1, Lq, 1)
-    j = torch.arange(int(context_lens.max()))[None, None, :]        # (1, 1, Lk)
-    first = (context_lens - query_lens)[:, None, None]              # (B, 1, 1) cached tokens before the query
-    return ((j <= first + i) & (j < context_lens[:, None, None])).unsqueeze(1)
+    positions: torch.Tensor       # (T,) long: position of each new token in its sequence (RoPE's angle)
+    slot_mapping: torch.Tensor    # (T,) long: cache slot each new token's K/V is written to
+    query_start_loc: list[int]    # B + 1 ints: where each sequence's new tokens start; the last is T
+    seq_lens: list[int]           # B ints: each sequence's length after this step (its Lk)
+    kv_slots: torch.Tensor        # (N,) long: every sequence's key slots, packed; N = sum(seq_lens)
+    kv_start_loc: list[int]       # B + 1 ints: where each sequence's keys start in kv_slots; the last is N
+    visible: list[torch.Tensor]   # B bool masks (Lq, Lk): causal_visible(Lq, Lk), True = may attend
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_lens(self) -> list[int]:
+        """New tokens of each sequence (its Lq)."""
+        return [b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])]
+
+    def seq_kv_slots(self, b: int) -> torch.Tensor:
+        """``(Lk,)`` the cache slots of sequence b's keys, position 0 first."""
+        return self.kv_slots[self.kv_start_loc[b]:self.kv_start_loc[b + 1]]
+
+
+def causal_visible(query_len: int, context_len: int, device=None) -> torch.Tensor:
+    """``(Lq, Lk)`` booleans: the ``Lq`` queries are the last of ``Lk`` positions, so query i sits at
+    position ``Lk - Lq + i`` and sees keys ``j <= Lk - Lq + i`` (a decode step, ``Lq = 1``, sees all).
+
+    Booleans, applied with ``masked_fill``/``where`` (or SDPA's bool mask), never ``ones * -inf``:
+    IEEE says ``0 * -inf = NaN``, and one NaN in a score row turns the whole softmax row into NaN.
+    Every row has a True (its own position), so no row is all ``-inf`` either.
+    """
+    i = torch.arange(query_len, device=device)[:, None]             # (Lq, 1)
+    j = torch.arange(context_len, device=device)[None, :]           # (1, Lk)
+    return j <= (context_len - query_len) + i
+
+
+def _checked_positions(positions, expected: torch.Tensor, seq_of_token: torch.Tensor) -> torch.Tensor:
+    """The caller's positions, when they equal the number of tokens cached before each one."""
+    if positions is None:
+        return expected
+    positions = torch.as_tensor(positions, dtype=torch.long)
+    if not torch.equal(positions, expected):
+        t = int((positions != expected).nonzero()[0])
+        raise ValueError(f"token {t} of the step (sequence {int(seq_of_token[t])}) has position "
+                         f"{int(positions[t])} but {int(expected[t])} tokens are cached before it: "
+                         "positions must count the tokens already in the KV cache")
+    return positions
 
 
 def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                    block_size: int, device: torch.device, positions: list[int] | None = None) -> AttentionMetadata:
-    """Metadata for B sequences whose last ``query_lens[b]`` of ``context_lens[b]`` tokens are new.
+    """Metadata for B sequences whose last ``query_lens[b]`` of ``context_lens[b]`` tokens are new
+    this step, their K/V in the blocks ``block_tables[b]``.
 
-    ``positions`` (packed, one per new token), when the caller tracks them itself, are
-    checked against the cache: a new token's position must equal the number of
-    tokens before it, or RoPE and the cache slots would disagree silently.
+    ``positions`` (packed, one per new token), when the caller tracks them itself, are checked
+    against the cache: a new token's position must equal the number of tokens before it, or RoPE
+    and the cache slots would disagree silently.
     """
-    ql = torch.tensor(query_lens)
-    cl = torch.tensor(context_lens)
-    if bool((ql < 1).any() or (ql > cl).any()):
+    if len(query_lens) != len(context_lens) or not query_lens:
+        raise ValueError(f"need one query_len and one context_len per sequence, got {query_lens} / {context_lens}")
+    if any(not 1 <= q <= c for q, c in zip(query_lens, context_lens)):
         raise ValueError(f"each sequence needs 1 <= query_len <= context_len, got {query_lens} / {context_lens}")
-    width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [t[-1]] * (width - len(t)) for t in block_tables])  # (B, max_blocks)
-
-    def slots(pos: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
-        return tables[seq, pos // block_size] * block_size + pos % block_size
-
-    seq_of_token = torch.repeat_interleave(torch.arange(len(ql)), ql)                  # (T,)
-    starts = torch.cumsum(ql, 0) - ql                                                  # first token of each seq
-    expected = torch.arange(int(ql.sum())) - starts[seq_of_token] + (cl - ql)[seq_of_token]
-    if positions is None:
-        positions = expected
-    else:
-        positions = torch.as_tensor(positions)
-        if not torch.equal(positions, expected):
-            t = int((positions != expected).nonzero()[0])
-            raise ValueError(f"token {t} of the step (sequence {int(seq_of_token[t])}) has position "
-                             f"{int(positions[t])} but {int(expected[t])} tokens are cached before it: "
-                             "positions must count the tokens already in the KV cache")
-    i = torch.arange(int(ql.max()))
-    q_index = (starts[:, None] + i).clamp(max=int(ql.sum()) - 1)
-    j = torch.minimum(torch.arange(int(cl.max()))[None, :], cl[:, None] - 1)          # clamp padding to a real key
-    kv_slots = slots(j, torch.arange(len(ql))[:, None])
+    for b, (c, table) in enumerate(zip(context_lens, block_tables)):
+        if len(table) * block_size < c:
+            raise ValueError(f"sequence {b} has {c} tokens but {len(table)} blocks of {block_size} slots")
+    offsets = torch.arange(block_size)
+    kv_slots = torch.cat([(torch.tensor(t)[:, None] * block_size + offsets).flatten()[:c]    # (Lk_b,) each
+                          for t, c in zip(block_tables, context_lens)])                      # (N,)
+    kv_start = [0]
+    for c in context_lens:
+        kv_start.append(kv_start[-1] + c)
+    # the new tokens of sequence b are its last query_lens[b] keys
+    new_keys = torch.cat([torch.arange(s + c - q, s + c) for s, q, c in zip(kv_start, query_lens, context_lens)])
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # (T,)
+    expected = new_keys - torch.tensor(kv_start[:-1])[seq_of_token]                                  # (T,)
+    positions = _checked_positions(positions, expected, seq_of_token)
+    q_start = [0]
+    for q in query_lens:
+        q_start.append(q_start[-1] + q)
     to = lambda t: t.to(device, non_blocking=True)
     return AttentionMetadata(
-        positions=to(positions), slot_mapping=to(slots(positions, seq_of_token)),
-        q_index=to(q_index), q_packed=to((i[None, :] < ql[:, None]).flatten().nonzero().flatten()),
-        kv_slots=to(kv_slots), visible=to(causal_visible(ql, cl)))
+        positions=to(positions), slot_mapping=to(kv_slots[new_keys]), query_start_loc=q_start,
+        seq_lens=list(context_lens), kv_slots=to(kv_slots), kv_start_loc=kv_start,
+        visible=[causal_visible(q, c, device) for q, c in zip(query_lens, context_lens)])
 
 
-def sdpa_attend(q, k, v, visible, scale):
-    """softmax(q k^T * scale, masked by ``visible``) v, with GQA grouping inside SDPA.
+def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """``softmax(q k^T * scale, hidden where not visible) v`` for one sequence, with GQA.
 
-    q ``(B, H, Lq, D)``, k/v ``(B, H_kv, Lk, D)``: the KV heads are never copied to H.
+    q ``(H, Lq, D)``; k, v ``(H_kv, Lk, D)``: query heads ``g * H/H_kv .. (g+1) * H/H_kv - 1``
+    share KV head g; visible ``(Lq, Lk)`` bool, ``causal_visible(Lq, Lk)``. Returns ``(H, Lq, D)``.
+    The caller never copies the KV heads to H (SDPA's math backend still repeats them internally;
+    the cache never holds the repeats). May be called with views (any strides).
+
+    A decode step (``Lq = 1``: one query at the last position, every key visible) is two small
+    matmuls, faster on CPU than SDPA's kernel; a prefill whose keys are all new (``Lq = Lk``)
+    uses SDPA's ``is_causal``, the same mask, which lets the kernel skip the hidden blocks.
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    h_kv, lk, d = k.shape
+    if q.shape[1] == 1:
+        qg = q.reshape(h_kv, -1, d)                                 # (H_kv, H/H_kv, D): one query per head
+        probs = torch.matmul(qg, k.transpose(1, 2)).mul_(scale).softmax(-1)   # (H_kv, H/H_kv, Lk)
+        return torch.matmul(probs, v).view(-1, 1, d)                # (H, 1, D)
+    causal = q.shape[1] == lk
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                          attn_mask=None if causal else visible, is_causal=causal,
+                                          scale=scale, enable_gqa=True)[0]
 
 
 class Attention(nn.Module):
-    """Writes this step's K/V into the cache, then attends from the new queries to the cached keys."""
+    """One layer's attention on one rank: stores this step's K/V in the paged cache, then attends
+    from each sequence's new queries to its keys.
+
+    ``Attention(num_heads, num_kv_heads, head_dim, attend=sdpa_attend)``: this rank's H query heads
+    and H_kv KV heads (``H`` a multiple of ``H_kv``), each of ``head_dim`` D; ``attend`` is
+    ``Parts.attend``, called once per sequence per step (see ``sdpa_attend`` for its contract).
+
+    ``forward(q, k, v, kv_cache, meta)``:
+      - q ``(T, H, D)``, k and v ``(T, H_kv, D)``: the step's new tokens, RoPE already applied;
+      - ``kv_cache``: this layer's ``(k_cache, v_cache)``, each ``kv_cache_shape(...)``, i.e.
+        ``(num_blocks, block_size, H_kv, D)``, written in place;
+      - ``meta``: the step's ``AttentionMetadata``.
+    It writes k, v (the KV heads, not repeated to H) to slots ``meta.slot_mapping``, then, for each
+    sequence b, attends its queries ``q[query_start_loc[b]:query_start_loc[b + 1]]`` to the keys
+    and values in ``meta.seq_kv_slots(b)`` under ``meta.visible[b]``. Returns ``(T, H * D)``, the
+    tokens in the order they came.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, attend=sdpa_attend):
         super().__init__()
@@ -111,11 +176,15 @@ class Attention(nn.Module):
         k_cache, v_cache = (c.flatten(0, 1) for c in kv_cache)      # (num_slots, H_kv, D) views
         k_cache.index_copy_(0, meta.slot_mapping, k)                # store the KV heads, not repeated ones
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        # index_select, not advanced indexing: the same gather, without its per-call overhead
-        b, lk = meta.kv_slots.shape
-        keys = k_cache.index_select(0, meta.kv_slots.flatten()).view(b, lk, *k.shape[1:]).transpose(1, 2)
-        values = v_cache.index_select(0, meta.kv_slots.flatten()).view(b, lk, *v.shape[1:]).transpose(1, 2)
-        queries = q.index_select(0, meta.q_index.flatten()).view(*meta.q_index.shape, *q.shape[1:])
-        out = self.attend(queries.transpose(1, 2), keys, values, meta.visible, self.scale)  # (B, H, Lq, D)
-        out = out.transpose(1, 2).flatten(0, 1).index_select(0, meta.q_packed)  # (T, H, D), packed order
-        return out.flatten(1)                                       # (T, H * D)
+        # one gather of exactly the keys the step's sequences use; index_select has no per-call
+        # overhead of advanced indexing
+        keys = k_cache.index_select(0, meta.kv_slots).transpose(0, 1)      # (H_kv, N, D)
+        values = v_cache.index_select(0, meta.kv_slots).transpose(0, 1)
+        out = torch.empty_like(q)                                          # (T, H, D)
+        qs, ks = meta.query_start_loc, meta.kv_start_loc
+        for b in range(meta.num_seqs):
+            o = self.attend(q[qs[b]:qs[b + 1]].transpose(0, 1),                   # (H, Lq, D)
+                            keys[:, ks[b]:ks[b + 1]], values[:, ks[b]:ks[b + 1]],  # (H_kv, Lk, D)
+                            meta.visible[b], self.scale)                           # -> (H, Lq, D)
+            out[qs[b]:qs[b + 1]] = o.transpose(0, 1)
+        return out.flatten(1)                                              # (T, H * D)

@@ -1,7 +1,8 @@
 """Attention pitfalls: the causal mask, and what the KV cache holds.
 
-Shape legend: B sequences, H / H_kv query / KV heads on this rank, Lq / Lk queries / keys of
-one sequence, T new tokens in the step, D head_dim.
+Shape legend: H / H_kv query / KV heads on this rank, Lq / Lk new queries / keys of one sequence,
+T new tokens in the step, D head_dim. ``Parts.attend`` is called once per sequence (see
+``tplab.layers.attention.sdpa_attend``).
 """
 import torch.nn.functional as F
 
@@ -14,11 +15,11 @@ def mask_mul_inf_attend(q, k, v, visible, scale):
     Review notes: "you use torch.ones(...) * -inf then add it to scores; the lower triangle
     becomes 0 * -inf = NaN, so scores contain NaN and softmax spreads it everywhere."
     """
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = q @ k.transpose(-1, -2) * scale                        # (B, H, Lq, Lk)
+    group = q.shape[0] // k.shape[0]                                # q (H, Lq, D), k, v (H_kv, Lk, D)
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = q @ k.transpose(-1, -2) * scale                        # (H, Lq, Lk)
     mask = (~visible).to(scores.dtype) * float("-inf")              # 1 * -inf = -inf, but 0 * -inf = NaN
-    return F.softmax(scores + mask, dim=-1) @ v
+    return F.softmax(scores + mask, dim=-1) @ v                     # (H, Lq, D)
 
 
 class RepeatedKVAttention(Attention):

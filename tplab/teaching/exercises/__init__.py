@@ -35,7 +35,9 @@ def run_checker(name: str, fn, compare) -> ExerciseResult:
 
 
 def own_code(obj) -> set:
-    """The code objects of a function, or of the methods a class defines itself."""
+    """The code objects of a function, or of the methods a class defines itself (of each, for a list)."""
+    if isinstance(obj, (list, tuple)):
+        return set().union(*map(own_code, obj)) if obj else set()
     if isinstance(obj, type):
         return {f.__code__ for f in vars(obj).values() if hasattr(f, "__code__")}
     return {obj.__code__} if hasattr(obj, "__code__") else set()
@@ -59,3 +61,4 @@ def show_solution(name: str) -> None:
 
 # The notebooks' modules, so that `from tplab.exercises import nb01` finds them on the package.
 from tplab.teaching.exercises import nb01, nb02, nb03, nb04, nb05, nb06  # noqa: E402
+from tplab.teaching.exercises.parts import check_engine, check_part  # noqa: E402

@@ -16,7 +16,7 @@ CASES = [(4, 4), (1, 1), (7, 7), (1, 6), (3, 8), (2, 5)]
 
 def reference_mask(q_len: int, k_len: int) -> torch.Tensor:
     """tplab's mask for one sequence: ``(q_len, k_len)`` bool."""
-    return causal_visible(torch.tensor([q_len]), torch.tensor([k_len]))[0, 0]
+    return causal_visible(q_len, k_len)
 
 
 

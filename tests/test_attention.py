@@ -1,0 +1,77 @@
+"""tplab.layers.attention: the metadata of a mixed step, the default ``attend`` and ``Attention`` against a
+plain per-sequence softmax attention written from the definition."""
+import pytest
+import torch
+
+from tplab.layers.attention import Attention, build_metadata, causal_visible, sdpa_attend
+
+H, H_KV, D = 6, 2, 8
+
+
+def reference_attention(q, k, v, scale):
+    """q (Lq, H, D), k/v (Lk, H_kv, D) of one sequence, its queries the last Lq positions: (Lq, H, D)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)        # (Lk, H, D)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale      # (H, Lq, Lk)
+    lq, lk = q.shape[0], k.shape[0]
+    hidden = torch.arange(lk)[None, :] > (lk - lq) + torch.arange(lq)[:, None]
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.double()).float()
+
+
+def test_causal_visible_is_the_last_lq_of_lk_positions():
+    assert causal_visible(1, 4).tolist() == [[True] * 4]
+    assert causal_visible(2, 4).tolist() == [[True, True, True, False], [True] * 4]
+    assert torch.equal(causal_visible(3, 3), torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+def test_metadata_of_a_mixed_step_reads_exactly_each_sequences_slots():
+    # A decodes its 10th token (blocks 3, 1, 4), B is a 3-token prefill (block 0), C a chunk of 2 after 5 cached
+    meta = build_metadata([1, 3, 2], [10, 3, 7], [[3, 1, 4], [0], [2, 5]], block_size=4, device="cpu")
+    assert meta.positions.tolist() == [9, 0, 1, 2, 5, 6]
+    assert meta.slot_mapping.tolist() == [17, 0, 1, 2, 21, 22]
+    assert meta.query_start_loc == [0, 1, 4, 6] and meta.kv_start_loc == [0, 10, 13, 20]
+    assert meta.seq_kv_slots(0).tolist() == [12, 13, 14, 15, 4, 5, 6, 7, 16, 17]
+    assert meta.seq_kv_slots(1).tolist() == [0, 1, 2] and meta.seq_kv_slots(2).tolist() == [8, 9, 10, 11, 20, 21, 22]
+    assert meta.kv_slots.numel() == 20                              # no padding to the longest sequence
+    assert [tuple(m.shape) for m in meta.visible] == [(1, 10), (3, 3), (2, 7)]
+    assert meta.query_lens() == [1, 3, 2]
+
+
+def test_metadata_refuses_positions_that_disagree_with_the_cache():
+    with pytest.raises(ValueError, match=r"token 0 of the step \(sequence 0\) has position 6 but 5 tokens"):
+        build_metadata([1], [6], [[0, 1]], 4, "cpu", positions=[6])
+    with pytest.raises(ValueError, match="1 <= query_len <= context_len"):
+        build_metadata([3], [2], [[0]], 4, "cpu")
+    with pytest.raises(ValueError, match="sequence 0 has 9 tokens but 2 blocks of 4 slots"):
+        build_metadata([9], [9], [[0, 1]], 4, "cpu")
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (1, 37), (5, 5), (4, 19), (33, 33)])
+def test_default_attend_equals_the_definition(lq, lk):
+    torch.manual_seed(lq * 100 + lk)
+    q, k, v = torch.randn(lq, H, D), torch.randn(lk, H_KV, D), torch.randn(lk, H_KV, D)
+    out = sdpa_attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal_visible(lq, lk), D ** -0.5)
+    assert out.shape == (H, lq, D)
+    torch.testing.assert_close(out.transpose(0, 1), reference_attention(q, k, v, D ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attend", [sdpa_attend, None], ids=["default", "naive"])
+def test_attention_writes_kv_heads_and_attends_each_sequence_to_its_own_keys(attend):
+    torch.manual_seed(0)
+    block_size, lens = 4, [(1, 10), (3, 3), (2, 7), (1, 2)]         # (new tokens, length after the step)
+    tables = [[3, 1, 4], [0], [2, 5], [6]]
+    cache = (torch.randn(8, block_size, H_KV, D), torch.randn(8, block_size, H_KV, D))
+    meta = build_metadata([q for q, _ in lens], [c for _, c in lens], tables, block_size, "cpu")
+    t = meta.query_start_loc[-1]
+    q, k, v = torch.randn(t, H, D), torch.randn(t, H_KV, D), torch.randn(t, H_KV, D)
+    naive = lambda q_, k_, v_, vis, s: reference_attention(q_.transpose(0, 1), k_.transpose(0, 1),
+                                                           v_.transpose(0, 1), s).transpose(0, 1)
+    out = Attention(H, H_KV, D, attend or naive)(q, k, v, cache, meta)
+    assert out.shape == (t, H * D)
+    k_flat, v_flat = (c.flatten(0, 1) for c in cache)
+    assert torch.equal(k_flat[meta.slot_mapping], k) and torch.equal(v_flat[meta.slot_mapping], v)
+    for b in range(meta.num_seqs):                                  # each sequence alone, from the definition
+        rows, slots = slice(meta.query_start_loc[b], meta.query_start_loc[b + 1]), meta.seq_kv_slots(b)
+        ref = reference_attention(q[rows], k_flat[slots], v_flat[slots], D ** -0.5)
+        torch.testing.assert_close(out[rows].view(-1, H, D), ref, rtol=1e-5, atol=1e-5)
