@@ -24,7 +24,7 @@ def bug_rows(checkpoint, reference, names, tp=1):
 
 
 def test_names_cover_the_pitfalls_of_the_review_notes_and_say_which():
-    assert set(bugs.NAMES) == {"mask_mul_inf", "no_rope", "rope_layout", "rope_cos_sin_axis", "rope_swallowed",
+    assert set(bugs.NAMES) == {"mask_mul_inf", "no_mask_with_cache", "no_rope", "rope_layout", "rope_cos_sin_axis", "rope_swallowed",
                                "shard_dim1", "qkv_presized", "kv_cache_repeated", "decode_position_offby1",
                                "lm_head_missing", "lm_head_random", "full_load_per_rank"}
     assert all("Review notes:" in bugs.describe(name) for name in bugs.NAMES)
@@ -146,3 +146,20 @@ def test_greedy_with_positions_is_hf_at_shift_0_and_off_at_every_decode_step_at_
     _, shifted = bugs.greedy_with_positions(folder, PROMPT, 8, 1, follow=ref)
     assert torch.equal(shifted[0], right[0])                        # the first token comes from the prefill
     assert (shifted[1:] - right[1:]).abs().amax(-1).min() > 1e-3    # every decoded step is off
+
+
+def test_no_mask_with_cache_is_harmless_for_decode_and_wrong_after_a_prefix_cache_hit(checkpoint, hf_model):
+    folder = checkpoint("untied")
+    prefix = PROMPT[:8]                                             # two full blocks of 4
+    prompts = [prefix + [11, 12], prefix + [13, 14, 15, 16, 17]]    # the second hits the first's blocks
+    want = [hf_greedy(hf_model(folder), p, GREEDY.max_tokens) for p in prompts]
+    runs = {}
+    for caching in (False, True):
+        with LLM(folder, tensor_parallel_size=2, bugs=["no_mask_with_cache"], block_size=4, max_num_seqs=1,
+                 enable_prefix_caching=caching) as llm:
+            runs[caching] = llm.generate(prompts, GREEDY), llm.stats()["prefix_cache_hit_blocks"]
+    (outs, hits), (cached, cached_hits) = runs[False], runs[True]
+    assert hits == 0 and [o.token_ids for o in outs] == [t for t, _ in want]     # one-token decode steps: exact
+    assert max(abs(a - b) for o, (_, lp) in zip(outs, want) for a, b in zip(o.logprobs, lp)) <= 1e-4
+    assert cached_hits == 2 and cached[0].token_ids == want[0][0]               # the first request: no hit
+    assert max(abs(a - b) for a, b in zip(cached[1].logprobs, want[1][1])) > 1e-2  # the hit: 5 new tokens unmasked

@@ -9,7 +9,7 @@ place where parts are resolved. By area: ``attention``, ``rope``, ``sharding``, 
 ``loading``.
 """
 from tplab.engine import parts
-from tplab.teaching.bugs.attention import RepeatedKVAttention, mask_mul_inf_attend
+from tplab.teaching.bugs.attention import RepeatedKVAttention, mask_mul_inf_attend, no_mask_with_cache_attend
 from tplab.teaching.bugs.loading import RandomLMHead, UnloadedLMHead, full_load_per_rank_load
 from tplab.teaching.bugs.positions import decode_with_positions, greedy_with_positions, offby1_token_positions
 from tplab.teaching.bugs.rope import (no_rope_apply, rope_cos_sin_axis_apply, rope_layout_apply,
@@ -20,6 +20,7 @@ from tplab.teaching.bugs.sharding import (Dim1MergedColumnParallelLinear, Dim1QK
 # name -> {field of tplab.Parts: replacement}
 _BUGS = {
     "mask_mul_inf": {"attend": mask_mul_inf_attend},
+    "no_mask_with_cache": {"attend": no_mask_with_cache_attend},
     "no_rope": {"apply_rope": no_rope_apply},
     "rope_layout": {"apply_rope": rope_layout_apply},
     "rope_cos_sin_axis": {"apply_rope": rope_cos_sin_axis_apply},

@@ -4,9 +4,10 @@ Shape legend: H / H_kv query / KV heads on this rank, Lq / Lk new queries / keys
 T new tokens in the step, D head_dim. ``Parts.attend`` is called once per sequence (see
 ``tplab.layers.attention.sdpa_attend``).
 """
+import torch
 import torch.nn.functional as F
 
-from tplab.layers.attention import Attention
+from tplab.layers.attention import Attention, sdpa_attend
 
 
 def mask_mul_inf_attend(q, k, v, visible, scale):
@@ -20,6 +21,25 @@ def mask_mul_inf_attend(q, k, v, visible, scale):
     scores = q @ k.transpose(-1, -2) * scale                        # (H, Lq, Lk)
     mask = (~visible).to(scores.dtype) * float("-inf")              # 1 * -inf = -inf, but 0 * -inf = NaN
     return F.softmax(scores + mask, dim=-1) @ v                     # (H, Lq, D)
+
+
+def no_mask_with_cache_attend(q, k, v, visible, scale):
+    """The causal mask applied only while the cache is empty: with cached keys, every key is visible.
+
+    Review notes: "在 kv_cache is not None 时不再加 causal mask（你当前代码就是这样：mask 只在 kv_cache is None 时启用）
+    ... 这条路径本身没问题" (no causal mask once there is a KV cache: the mask is only applied when kv_cache
+    is None; this path by itself is fine). The student's condition, ``if kv_cache is None and seq_len > 1``,
+    is per call; here it is per sequence: a sequence whose keys are all new this step (``Lq == Lk``) is
+    masked, one with keys already cached (``Lq < Lk``) is not. It is harmless while every step after the
+    prompt feeds one token (its one query may see every key), which was all the student's decode did. It
+    is silently wrong as soon as a step feeds several new tokens after cached ones: a prefix-cache hit,
+    a recomputation after preemption that hits the prefix cache, chunked prefill. Then each new token
+    also attends to the new tokens after it.
+    """
+    lq, lk = visible.shape
+    if lq < lk:                                                     # keys cached before this step
+        visible = torch.ones_like(visible)                          # "kv_cache is not None": no mask
+    return sdpa_attend(q, k, v, visible, scale)
 
 
 class RepeatedKVAttention(Attention):
