@@ -202,3 +202,19 @@ def test_a_part_that_raises_in_a_rank_names_the_rank_and_line_and_the_next_call_
 def test_a_part_that_hangs_is_stopped_at_the_timeout():
     result = check_part("row_linear", HangsOnRank0, timeout=20)
     assert result.ok is False and "did not finish in time" in result.message, result.message
+
+
+class CallsDistDirectly(Row):
+    """torch.distributed.all_reduce with no guard: fine in ranks, an error at TP 1 in the notebook's process."""
+    def forward(self, x):
+        import torch.distributed as dist
+        y = x @ self.weight.T
+        dist.all_reduce(y)
+        return y
+
+
+def test_a_collective_at_tp1_without_a_group_gets_a_hint():
+    result = check_part("row_linear", CallsDistDirectly)
+    assert result.ok is False and "at TP 1 (in this process) there is no process group" in result.message, \
+        result.message
+    assert "dist.all_reduce(y)" in result.message                      # the learner's line

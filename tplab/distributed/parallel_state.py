@@ -8,7 +8,15 @@ from the default process group, as they would inside a rank started by
 How the collectives travel is decided once per process group, by ``init_tp_comm()``:
 a rank started by ``tplab.launch`` calls it as it joins the group, an engine under
 ``torchrun`` as it starts. Without it they go through the process group itself.
+
+``count_collectives()`` records the collectives a block of code runs (op, shape, path, time);
+notebook 00 counts one decode step's with it.
 """
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +24,45 @@ from tplab.distributed.shm_comm import ShmComm, shm_applies
 
 _tp_comm: ShmComm | None = None   # the shared-memory communicator of _tp_comm_group, where it applies
 _tp_comm_group = None             # the process group init_tp_comm() decided for
+_recorders: list[list] = []       # the lists of the open count_collectives() blocks; usually empty
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective this rank ran: what, on which tensor, along which path, and how long it took."""
+    op: str                      # "all_reduce" or "all_gather"
+    shape: tuple[int, ...]       # the tensor this rank put in, e.g. (1, hidden) for a decode step's all-reduce
+    dtype: torch.dtype
+    path: str                    # "shm" (shared memory) or the process group's backend, e.g. "gloo"
+    seconds: float               # wall time on this rank, waiting for the slowest rank included
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank put in."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Record every ``all_reduce``/``all_gather`` over more than one rank that this process runs inside
+    the ``with``; yields the list of ``CollectiveRecord`` it fills, in call order. Blocks may nest.
+    Outside any block the collectives pay one check of an empty list."""
+    records: list[CollectiveRecord] = []
+    _recorders.append(records)
+    try:
+        yield records
+    finally:
+        _recorders.remove(records)
+
+
+def _recorded(op: str, x: torch.Tensor, comm, run, *args) -> torch.Tensor:
+    start = time.perf_counter()
+    out = run(*args)
+    path = "shm" if comm is not None else str(dist.get_backend())
+    record = CollectiveRecord(op, tuple(x.shape), x.dtype, path, time.perf_counter() - start)
+    for records in _recorders:
+        records.append(record)
+    return out
 
 
 def tp_rank_and_size(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
@@ -69,6 +116,12 @@ def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
         return x
     _check_group(tp_size)
     comm = _shm_for(x)
+    if _recorders:
+        return _recorded("all_reduce", x, comm, _all_reduce, x, comm)
+    return _all_reduce(x, comm)
+
+
+def _all_reduce(x: torch.Tensor, comm: ShmComm | None) -> torch.Tensor:
     if comm is not None:
         return comm.all_reduce(x)
     dist.all_reduce(x)
@@ -81,6 +134,12 @@ def all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
         return x
     _check_group(tp_size)
     comm = _shm_for(x)
+    if _recorders:
+        return _recorded("all_gather", x, comm, _all_gather, x, comm, tp_size, dim)
+    return _all_gather(x, comm, tp_size, dim)
+
+
+def _all_gather(x: torch.Tensor, comm: ShmComm | None, tp_size: int, dim: int) -> torch.Tensor:
     if comm is not None:
         return comm.all_gather(x, dim)
     parts = [torch.empty_like(x) for _ in range(tp_size)]

@@ -60,5 +60,5 @@ def show_solution(name: str) -> None:
 
 
 # The notebooks' modules, so that `from tplab.exercises import nb01` finds them on the package.
-from tplab.teaching.exercises import nb01, nb02, nb03, nb04, nb05, nb06  # noqa: E402
+from tplab.teaching.exercises import nb00, nb01, nb02, nb03, nb04, nb05, nb06  # noqa: E402
 from tplab.teaching.exercises.parts import check_engine, check_part  # noqa: E402

@@ -75,7 +75,7 @@ def diagnose_gate_up_linear(spec, results, tp):
     rows = I // tp
     right = [torch.cat([g[r * rows:(r + 1) * rows], u[r * rows:(r + 1) * rows]]) for r in range(tp)]
     bad = _check_param(results, "weight", right, "[this rank's gate rows | this rank's up rows]")
-    if bad and tp > 1:
+    if bad:
         got = results[0]["params"].get("weight")
         fused = torch.cat([g, u])[: 2 * rows]
         if close(got, fused):

@@ -12,81 +12,31 @@
 A stub (its own ``raise NotImplementedError``) is "not attempted"; an exception comes back with the
 rank and the learner's line; ranks that hang are stopped at ``timeout``.
 """
-import functools
 import linecache
 import re
+import traceback
 
 import torch
 
-from tplab.distributed.launcher import RankError, RankGroup
-from tplab.engine.config import EngineConfig
+from tplab.distributed.launcher import RankError
 from tplab.engine.parts import FIELDS
-from tplab.engine.probe import load_model, probe
-from tplab.engine.sampling import SamplingParams
-from tplab.engine.worker import Worker
-from tplab.models.checkpoints import tiny_stories
 from tplab.teaching.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
                                       own_code)
 from tplab.teaching.exercises.layer_diagnoses import DIAGNOSE
+from tplab.teaching.exercises.in_engine import NEW_TOKENS, engine_acts, engine_config, kept_ranks, reference, serve
 from tplab.teaching.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
-from tplab.teaching.golden import activation_names, hf_activations
 
-PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and"]
-# a shared prefix, more KV than the cache holds: the block manager shares blocks, preempts and recomputes
-WORKLOAD = [PROMPTS[0] + " girl", PROMPTS[0] + " boy", PROMPTS[0] + " dog", PROMPTS[0] + " bird"]
-WORKLOAD_ENGINE = dict(block_size=4, num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=True)
-NEW_TOKENS, TOL = 12, 1e-4
+TOL = 1e-4
+
 LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
                 "block_manager": block_manager_probe}
-HINTS = {  # part -> (words in an error, what they usually mean)
-    "attention": ("shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
+HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
+    ("attention", "shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
                            "per slot) has no room for them: store the KV heads, repeat only for the scores"),
-}
-
-
-@functools.lru_cache(maxsize=1)
-def reference() -> dict:
-    """HF's activations for the first prompt and greedy tokens for every prompt, on the shipped model."""
-    from transformers import AutoTokenizer, Qwen2ForCausalLM
-    model_dir = tiny_stories()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    hf = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts, workload = ([tokenizer.encode(p) for p in texts] for texts in (PROMPTS, WORKLOAD))
-    with torch.no_grad():
-        tokens, workload_tokens = ([hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                                min_new_tokens=NEW_TOKENS)[0, len(p):].tolist() for p in ps]
-                                   for ps in (prompts, workload))
-    return {"model": str(model_dir), "prompts": prompts, "tokens": tokens, "acts": hf_activations(hf, prompts[0]),
-            "workload": workload, "workload_tokens": workload_tokens}
-
-
-def _checked(obj):
-    """``obj`` with a check that it never returns None (a part's forward, or a function part)."""
-    if isinstance(obj, type):
-        return obj                                   # classes: forward hooks, see _engine_acts
-    @functools.wraps(obj)
-    def part(*args, **kwargs):
-        out = obj(*args, **kwargs)
-        if out is None:
-            raise ForgotReturn(f"{obj.__name__} returned None: did you forget `return`?")
-        return out
-    return part
-
-
-def _engine_acts(model_dir, prompt, tp, parts):
-    """This rank's activations for one prefill of ``prompt`` with ``parts`` swapped in (in a rank, or here)."""
-    from tplab.distributed.launcher import rank_device
-    model = load_model(model_dir, tp, parts={k: _checked(v) for k, v in parts.items()}, device=rank_device())
-    classes = tuple(v for v in parts.values() if isinstance(v, type))
-
-    def no_none(module, _, out):
-        if out is None:
-            raise ForgotReturn(f"{type(module).__name__}.forward returned None: did you forget `return`?")
-    for module in model.modules():
-        if classes and isinstance(module, classes):
-            module.register_forward_hook(no_none)
-    out = probe(model, prompt, outputs_of=activation_names(len(model.model.layers))[:-1])
-    return {**out.outputs, "logits": out.logits.float().cpu()}
+    (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
+           "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
+           "all_gather(x, tp_size), which do"),
+]
 
 
 def _first_diff(ref, acts) -> tuple[str, float] | None:
@@ -124,16 +74,15 @@ def _exception_result(name, impl, error, where) -> ExerciseResult:
         last = error.remote_traceback.strip().splitlines()[-1] if error.remote_traceback else str(error)
         if last.startswith("NotImplementedError") and learner_line(impl, error.remote_traceback):
             return ExerciseResult(name, None, NOT_DONE)
+        hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in last)
         return ExerciseResult(name, False, f"{where}, rank {error.rank} raised {last}"
-                                           f"{learner_line(impl, error.remote_traceback)}")
+                                           f"{learner_line(impl, error.remote_traceback)}{hint}")
     if isinstance(error, TimeoutError):
         return ExerciseResult(name, False, f"{where}: the ranks did not finish in time and were all stopped. A "
                               "collective that not every rank reaches waits forever (e.g. an all_reduce inside "
                               "`if tp_rank == 0:`, or a rank that returns before it)")
-    import traceback
     text = "".join(traceback.format_exception(error))
-    words, hint = HINTS.get(name, (None, ""))
-    hint = f". Hint: {hint}" if words and words in str(error) else ""
+    hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in str(error))
     return ExerciseResult(name, False, f"{where}: raised {type(error).__name__}: {error}"
                                        f"{learner_line(impl, text)}{hint}")
 
@@ -149,49 +98,49 @@ def _describe_diffs(tp, per_rank) -> str | None:
             f"{diff:.1e}{ranks}; everything before it matches")
 
 
-def _serve(group, parts, tp) -> tuple[list, list[list[int]], dict]:
-    """Greedy tokens through one engine of ``parts`` in ``group``: the prompts, or with a block manager part
-    the workload (shared prefixes, a cache too small for all); and the HF tokens to compare with, the stats."""
-    ref, workload = reference(), "block_manager" in parts
-    settings = WORKLOAD_ENGINE if workload else {}
-    prompts = ref["workload" if workload else "prompts"]
-    cfg = EngineConfig(model=ref["model"], tensor_parallel_size=tp, parts=parts, device="cpu", **settings)
-    group.create(Worker, (cfg,))
-    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
-    tokens = [ids for ids, _, _ in group.call("generate", (prompts, params))[0]]
-    return tokens, ref["workload_tokens" if workload else "tokens"], group.call("stats")[0]
+def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None:
+    """Stage 1 at TP ``tp`` (in this process when ``group`` is None): what is wrong with the part alone."""
+    if name in LOCAL_PROBES:                          # no collectives: once, in this process
+        if group is not None:
+            return None
+        ok, why = LOCAL_PROBES[name].diagnose(LOCAL_PROBES[name].run(impl))
+        return None if ok else f"the part alone: {why}"
+    if name not in SPECS:
+        return None
+    for forward in (False, True):                     # the loaded weights first, then the output
+        results = [run_probe(impl, SPECS[name](1), 0, 1, forward)] if group is None else \
+            group.run(probe_in_rank, (impl, name, tp, forward), timeout=timeout)
+        ok, why = DIAGNOSE[name](SPECS[name](tp), results, tp)
+        if not ok:
+            return f"the layer alone at TP {tp}, {why}" if tp > 1 else f"the layer alone at TP 1: " \
+                                                                       f"{why.removeprefix('rank 0: ')}"
+    return None
 
 
 def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool = True) -> ExerciseResult:
     """Stages 1 (when ``unit``) and 2 of the module docstring for ``parts`` (``{field: replacement}``) at TP 1
     and ``tp``. ``impl`` is the learner's class or function (or a list of them), to find their lines."""
-    ref = reference()
-    where = "at TP 1"
+    ref, where = reference(), "at TP 1"
     try:
-        if unit and name in SPECS:
-            spec = SPECS[name](1)
-            for forward in (False, True):                  # the loaded weights first, then the output
-                ok, why = DIAGNOSE[name](spec, [run_probe(impl, spec, 0, 1, forward)], 1)
-                if not ok:
-                    return ExerciseResult(name, False, f"the layer alone at TP 1: {why.removeprefix('rank 0: ')}")
-        if unit and name in LOCAL_PROBES:
-            ok, why = LOCAL_PROBES[name].diagnose(LOCAL_PROBES[name].run(impl))
-            if not ok:
-                return ExerciseResult(name, False, f"the part alone: {why}")
-        acts1 = _engine_acts(ref["model"], ref["prompts"][0], 1, parts)
-        where = f"at TP {tp}"
-        with RankGroup(tp, timeout=timeout) as group:
-            if unit and name in SPECS:
-                for forward in (False, True):
-                    results = group.run(probe_in_rank, (impl, name, tp, forward))
-                    ok, why = DIAGNOSE[name](SPECS[name](tp), results, tp)
-                    if not ok:
-                        return ExerciseResult(name, False, f"the layer alone at TP {tp}, {why}")
-            acts = group.run(_engine_acts, (ref["model"], ref["prompts"][0], tp, parts))
-            tokens, want, stats = _serve(group, parts, tp)
+        why = _alone(name, impl, 1) if unit else None
+        if why:
+            return ExerciseResult(name, False, why)
+        acts1 = engine_acts(engine_config(parts, 1), ref["prompts"][0])
+        where, group = f"at TP {tp}", kept_ranks(tp, timeout)
+        why = _alone(name, impl, tp, group, timeout) if unit else None
+        if why:
+            return ExerciseResult(name, False, why)
+        acts = group.run(engine_acts, (engine_config(parts, tp), ref["prompts"][0]), timeout=timeout)
+        tokens, want, stats = serve(group, parts, tp, timeout)
     except Exception as e:  # the learner's code raised, here or in a rank; or the ranks hung
         return _exception_result(name, impl, e, where)
-    for size, rank_acts in ((1, [acts1]), (tp, acts)):
+    return _verdict(name, parts, tp, [acts1], acts, tokens, want, stats)
+
+
+def _verdict(name, parts, tp, acts1, acts, tokens, want, stats) -> ExerciseResult:
+    """Stage 2's comparisons with HF: every sublayer at TP 1 and ``tp``, then the greedy tokens."""
+    ref = reference()
+    for size, rank_acts in ((1, acts1), (tp, acts)):
         why = _describe_diffs(size, [_first_diff(ref["acts"], a) for a in rank_acts])
         if why:
             return ExerciseResult(name, False, why)
@@ -203,7 +152,7 @@ def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool
         return ExerciseResult(name, False, f"the tokens are right, but the workload should have preempted and hit "
                               f"the prefix cache: {stats['num_preemptions']} preemptions, "
                               f"{stats['prefix_cache_hit_blocks']} prefix-cache hit blocks")
-    worst = max(_worst(ref["acts"], a) for a in [acts1, *acts])
+    worst = max(_worst(ref["acts"], a) for a in [*acts1, *acts])
     served = (f", {stats['num_preemptions']} preemption(s) and {stats['prefix_cache_hit_blocks']} prefix-cache hit "
               "blocks on the way" if "block_manager" in parts else "")
     return ExerciseResult(name, True, f"inside the engine every sublayer is within {TOL:g} of HF at TP 1 and TP "
@@ -231,8 +180,11 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
         raise ValueError(f"{unknown} are not parts; the parts are {list(FIELDS)}")
     missing = [p for p in ("embedding", "qkv_linear", "row_linear", "gate_up_linear", "lm_head") if p not in parts]
     stubs = [p for p, impl in parts.items() if _is_stub(impl, p)]
-    if not parts or stubs:
-        return ExerciseResult(name, None, f"{NOT_DONE}; still a stub: {stubs or 'every part'}")
+    if not parts:
+        return ExerciseResult(name, None, "not attempted yet: write the part exercises (notebooks 02, 04, 05 and "
+                                          "06: `# Exercise: row_linear` ...), run their cells, then this one")
+    if stubs:
+        return ExerciseResult(name, None, f"{NOT_DONE}; still stubs: {', '.join(stubs)}")
     result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
     if result.ok and missing:
         result.message += f" (tplab's own {', '.join(missing)}: write them too to make it all yours)"

@@ -1,0 +1,127 @@
+"""The notebook 00 checker passes the reference ring all-reduce and names each usual mistake, in real ranks."""
+import torch
+
+from tplab.exercises import nb00
+from tplab.teaching.solutions import define
+
+ring_all_reduce = define("ring_all_reduce")["ring_all_reduce"]      # the reference solution
+
+WORLD3 = (3,)       # most mistakes show at 3 ranks; one launch per test keeps the file quick
+
+
+def ring(x, order="right", gather="copy"):
+    """The ring with one switchable mistake: the reduce-scatter's chunk order, or the all-gather's add/skip."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    flat = x.reshape(-1).clone()
+    chunks = list(flat.tensor_split(world))
+    for step in range(world - 1):
+        send, recv = {"right": ((rank - step) % world, (rank - step - 1) % world),
+                      "forward": ((rank + step) % world, (rank + step - 1) % world),   # walks the ring backwards
+                      "same": ((rank - step) % world, (rank - step) % world)}[order]  # adds into the wrong chunk
+        incoming = torch.empty_like(chunks[recv])
+        request = dist.isend(chunks[send].contiguous(), right)
+        dist.recv(incoming, left)
+        request.wait()
+        chunks[recv] += incoming
+    if gather == "none":
+        return flat.view_as(x)
+    for step in range(world - 1):
+        send, recv = (rank + 1 - step) % world, (rank - step) % world
+        if gather == "into_sent":                            # overwrites the chunk it just sent
+            recv = send
+        incoming = torch.empty_like(chunks[recv])
+        request = dist.isend(chunks[send].contiguous(), right)
+        dist.recv(incoming, left)
+        request.wait()
+        chunks[recv].add_(incoming) if gather == "add" else chunks[recv].copy_(incoming)
+    return flat.view_as(x)
+
+
+def test_ring_all_reduce_solution_passes_at_3_and_2_ranks():
+    result = nb00.check_ring_all_reduce(ring_all_reduce)
+    assert result.ok is True, result
+    assert "world sizes 3, 2" in result.message
+
+
+def test_the_test_ring_without_a_mistake_passes():
+    result = nb00.check_ring_all_reduce(ring, world_sizes=WORLD3)
+    assert result.ok is True, result
+
+
+def test_stub_is_not_attempted_without_starting_ranks():
+    def stub(x):
+        raise NotImplementedError
+    result = nb00.check_ring_all_reduce(stub)
+    assert result.ok is None and "not attempted" in repr(result)
+
+
+def test_returning_none_asks_about_return():
+    def forgot(x):
+        ring_all_reduce(x)
+    result = nb00.check_ring_all_reduce(forgot, world_sizes=WORLD3)
+    assert result.ok is False and "returned None: did you forget `return`?" in result.message
+
+
+def test_missing_all_gather_is_named():
+    result = nb00.check_ring_all_reduce(lambda x: ring(x, gather="none"), world_sizes=WORLD3)
+    assert result.ok is False and "the all-gather phase is missing" in result.message, result
+
+
+def test_summing_twice_is_named():
+    result = nb00.check_ring_all_reduce(lambda x: ring(x, gather="add"), world_sizes=WORLD3)
+    assert result.ok is False and "summed twice" in result.message, result
+
+
+def test_wrong_chunk_order_in_the_reduce_scatter_is_named():
+    for order in ("forward", "same"):
+        result = nb00.check_ring_all_reduce(lambda x: ring(x, order=order), world_sizes=WORLD3)
+        assert result.ok is False and "the chunk order is off" in result.message, (order, result)
+
+
+def test_all_gather_into_the_wrong_chunk_is_named():
+    result = nb00.check_ring_all_reduce(lambda x: ring(x, gather="into_sent"), world_sizes=WORLD3)
+    assert result.ok is False and "the chunks are out of order" in result.message, result
+
+
+def test_nothing_exchanged_is_named():
+    result = nb00.check_ring_all_reduce(lambda x: x, world_sizes=WORLD3)
+    assert result.ok is False and "nothing was sent" in result.message
+
+
+def test_calling_a_collective_is_refused_by_name():
+    def lazy(x):
+        import torch.distributed as dist
+        dist.all_reduce(x)
+        return x
+    result = nb00.check_ring_all_reduce(lazy, world_sizes=WORLD3)
+    assert result.ok is False and "called dist.all_reduce" in result.message
+
+
+def test_a_flattened_result_is_refused_with_the_fix():
+    result = nb00.check_ring_all_reduce(lambda x: ring_all_reduce(x).reshape(-1), world_sizes=WORLD3)
+    assert result.ok is False and "view_as(x)" in result.message
+
+
+def test_an_exception_names_the_rank_and_the_line():
+    def fails_on_rank_1(x):
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            raise ValueError("chunk sizes differ")
+        return ring_all_reduce(x)
+    result = nb00.check_ring_all_reduce(fails_on_rank_1, world_sizes=WORLD3)
+    assert result.ok is False and "rank 1 failed: ValueError: chunk sizes differ" in result.message
+    assert "line 4 of fails_on_rank_1" in result.message
+
+
+def test_sends_and_recvs_that_never_pair_up_time_out_with_a_hint():
+    def both_right(x):                                   # receives from the right too: nobody sends that way
+        import torch.distributed as dist
+        rank, world = dist.get_rank(), dist.get_world_size()
+        incoming = torch.empty_like(x)
+        dist.isend(x.contiguous(), (rank + 1) % world)
+        dist.recv(incoming, (rank + 1) % world)
+        return x + incoming
+    result = nb00.check_ring_all_reduce(both_right, world_sizes=WORLD3, timeout=20)
+    assert result.ok is False and "never comes" in result.message
