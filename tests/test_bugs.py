@@ -1,12 +1,14 @@
-"""Each seed pitfall in ``tplab.bugs`` leaves its own fingerprint against HF, and nothing else changes."""
+"""Each pitfall of the review notes in ``tplab.bugs`` leaves its own fingerprint against HF, and nothing else changes."""
 import math
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, bugs, golden
 from tplab.engine.probe import load_model
+from tplab.layers.weights import WeightShapeError
 
 PROMPT = [3, 17, 42, 99, 5, 61, 200, 7, 150]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -21,9 +23,10 @@ def bug_rows(checkpoint, reference, names, tp=1):
     return golden.compare(reference, golden.tplab_activations(checkpoint("untied"), PROMPT, tp, bugs=names))
 
 
-def test_names_cover_the_seed_pitfalls_and_say_which():
-    assert set(bugs.NAMES) == {"mask_mul_inf", "no_rope", "rope_layout", "shard_dim1", "kv_cache_repeated",
-                               "decode_position_offby1", "lm_head_missing", "full_load_per_rank"}
+def test_names_cover_the_pitfalls_of_the_review_notes_and_say_which():
+    assert set(bugs.NAMES) == {"mask_mul_inf", "no_mask_with_cache", "no_rope", "rope_layout", "rope_cos_sin_axis", "rope_swallowed",
+                               "shard_dim1", "qkv_presized", "kv_cache_repeated", "decode_position_offby1",
+                               "lm_head_missing", "lm_head_random", "full_load_per_rank"}
     assert all("Review notes:" in bugs.describe(name) for name in bugs.NAMES)
 
 
@@ -89,3 +92,74 @@ def test_bugs_combine(checkpoint, reference):
     mine = golden.tplab_activations(checkpoint("untied"), PROMPT, 1, bugs=names)
     assert golden.first_divergence(golden.compare(reference, mine)) == "model.layers.0.self_attn"  # rope_layout
     assert not mine["logits"].any()                                 # lm_head_missing: a head of zeros
+
+
+def test_rope_cos_sin_axis_is_silent_only_where_the_local_heads_match_the_tokens(checkpoint):
+    folder, ids = checkpoint("vocab_pad"), PROMPT[:2]                # 4 query and 4 KV heads: 2 + 2 per rank at TP 2
+    rows = golden.compare(golden.hf_activations(folder, ids),
+                          golden.tplab_activations(folder, ids, 2, bugs=["rope_cos_sin_axis"]))
+    assert golden.first_divergence(rows) == "model.layers.0.self_attn"  # no error at TP 2, and wrong
+    assert all(r.nonfinite == 0 for r in rows)
+    with pytest.raises(RuntimeError, match=r"size of tensor a \(4\) must match the size of tensor b \(2\)"):
+        golden.tplab_activations(folder, ids, 1, bugs=["rope_cos_sin_axis"])   # 4 heads per rank, 2 tokens
+    with pytest.raises(Exception, match="index_copy_"):             # 1 KV head per rank: k grows to (T, T, D)
+        golden.tplab_activations(checkpoint("gqa"), ids, 2, bugs=["rope_cos_sin_axis"])
+
+
+def test_rope_swallowed_runs_without_rope_on_prompts_and_raises_nothing(checkpoint, reference, hf_model):
+    folder = checkpoint("untied")                                   # 8 query, 2 KV heads: 4 and 1 per rank at TP 2
+    swallowed = golden.tplab_activations(folder, PROMPT, 2, bugs=["rope_swallowed"])
+    rows = golden.compare(reference, swallowed)
+    assert golden.first_divergence(rows) == "model.layers.0.self_attn" and rows[-1].nonfinite == 0
+    no_rope = golden.tplab_activations(folder, PROMPT, 2, bugs=["no_rope"])     # the fallback is no rotation
+    assert (swallowed["logits"] - no_rope["logits"]).abs().max() == 0
+    with LLM(folder, tensor_parallel_size=2, bugs=["rope_swallowed"]) as llm:
+        out = llm.generate([PROMPT], GREEDY)[0]
+    assert out.token_ids != hf_greedy(hf_model(folder), PROMPT, GREEDY.max_tokens)[0]
+
+
+def test_qkv_presized_cancels_while_tp_divides_the_kv_heads_and_the_loader_names_the_tensor(checkpoint, hf_model):
+    folder = checkpoint("gqa")                                      # 2 KV heads: TP 2 splits them, the sizes cancel
+    with LLM(folder, tensor_parallel_size=2, bugs=["qkv_presized"]) as llm:
+        assert llm.generate([PROMPT], GREEDY)[0].token_ids == hf_greedy(hf_model(folder), PROMPT, 8)[0]
+    with pytest.raises(WeightShapeError, match=r"self_attn\.k_proj\.(weight|bias) in model\.safetensors: "
+                                               r"expected shape \(32,( 64)?\), found \(16,( 64)?\)"):
+        load_model(checkpoint("mqa"), 2, tp_rank=1, bugs=["qkv_presized"])   # 1 KV head, replicated on 2 ranks
+
+
+def test_lm_head_random_is_exact_through_the_last_norm_and_wrong_at_the_logits(checkpoint, reference, hf_model):
+    folder = checkpoint("untied")
+    acts = {tp: golden.tplab_activations(folder, PROMPT, tp, bugs=["lm_head_random"]) for tp in (1, 2)}
+    rows = golden.compare(reference, acts[2])
+    assert golden.first_divergence(rows) == "logits" and rows[-1].nonfinite == 0
+    assert (acts[1]["logits"] - acts[2]["logits"]).abs().max() <= 1e-4     # the same random head at every TP size
+    with LLM(folder, tensor_parallel_size=2, bugs=["lm_head_random"]) as llm:
+        out = llm.generate([PROMPT], GREEDY)[0]
+    assert out.token_ids != hf_greedy(hf_model(folder), PROMPT, GREEDY.max_tokens)[0]
+
+
+def test_greedy_with_positions_is_hf_at_shift_0_and_off_at_every_decode_step_at_shift_1(checkpoint, hf_model):
+    folder = checkpoint("untied")
+    ref, _ = hf_greedy(hf_model(folder), PROMPT, 8)
+    assert bugs.greedy_with_positions(folder, PROMPT, 8, 0)[0] == ref
+    _, right = bugs.greedy_with_positions(folder, PROMPT, 8, 0, follow=ref)
+    _, shifted = bugs.greedy_with_positions(folder, PROMPT, 8, 1, follow=ref)
+    assert torch.equal(shifted[0], right[0])                        # the first token comes from the prefill
+    assert (shifted[1:] - right[1:]).abs().amax(-1).min() > 1e-3    # every decoded step is off
+
+
+def test_no_mask_with_cache_is_harmless_for_decode_and_wrong_after_a_prefix_cache_hit(checkpoint, hf_model):
+    folder = checkpoint("untied")
+    prefix = PROMPT[:8]                                             # two full blocks of 4
+    prompts = [prefix + [11, 12], prefix + [13, 14, 15, 16, 17]]    # the second hits the first's blocks
+    want = [hf_greedy(hf_model(folder), p, GREEDY.max_tokens) for p in prompts]
+    runs = {}
+    for caching in (False, True):
+        with LLM(folder, tensor_parallel_size=2, bugs=["no_mask_with_cache"], block_size=4, max_num_seqs=1,
+                 enable_prefix_caching=caching) as llm:
+            runs[caching] = llm.generate(prompts, GREEDY), llm.stats()["prefix_cache_hit_blocks"]
+    (outs, hits), (cached, cached_hits) = runs[False], runs[True]
+    assert hits == 0 and [o.token_ids for o in outs] == [t for t, _ in want]     # one-token decode steps: exact
+    assert max(abs(a - b) for o, (_, lp) in zip(outs, want) for a, b in zip(o.logprobs, lp)) <= 1e-4
+    assert cached_hits == 2 and cached[0].token_ids == want[0][0]               # the first request: no hit
+    assert max(abs(a - b) for a, b in zip(cached[1].logprobs, want[1][1])) > 1e-2  # the hit: 5 new tokens unmasked

@@ -121,7 +121,8 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torc
 
     q ``(H, Lq, D)``; k, v ``(H_kv, Lk, D)``: query heads ``g * H/H_kv .. (g+1) * H/H_kv - 1``
     share KV head g; visible ``(Lq, Lk)`` bool, ``causal_visible(Lq, Lk)``. Returns ``(H, Lq, D)``.
-    The KV heads are never copied to H. May be called with views (any strides).
+    The caller never copies the KV heads to H (SDPA's math backend still repeats them internally;
+    the cache never holds the repeats). May be called with views (any strides).
 
     A decode step (``Lq = 1``: one query at the last position, every key visible) is two small
     matmuls, faster on CPU than SDPA's kernel; a prefill whose keys are all new (``Lq = Lk``)

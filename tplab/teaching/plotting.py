@@ -1,9 +1,15 @@
-"""Plots the notebooks share: small fixed-size figures, so notebooks stay well under 1 MB."""
+"""Plots the notebooks share: small fixed-size figures, so notebooks stay well under 1 MB.
+
+Every diff plot goes through ``draw_diffs``: a log axis for the finite differences, the tolerance
+as a dashed line, and two bands of their own, "exact (0)" at the bottom and "NaN / inf" at the
+top, so that neither is drawn at an arbitrary value; the legend sits outside the axes.
+"""
 import math
 
 import matplotlib.pyplot as plt
 
 FIGSIZE, DPI = (7.0, 2.8), 72
+BAND = 30.0                 # height of the exact and NaN/inf bands, as a factor on the log axis
 
 
 def figure(ncols: int = 1, width: float = FIGSIZE[0], height: float = FIGSIZE[1]):
@@ -18,28 +24,55 @@ def short_name(name: str) -> str:
                                                                            "post_ln").replace("input_layernorm", "in_ln")
 
 
-def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", floor: float = 1e-9):
-    """One line per run (label -> list of ``golden.Diff``): max abs diff against HF on a log scale.
+def draw_diffs(ax, series: dict, tol: float | None = 1e-4, xs=None, ylabel: str = "max |tplab - HF|",
+               xlabel: str = "") -> tuple[float, float]:
+    """Plot ``series`` (label -> list of differences) on ``ax`` with a log y axis.
 
-    Exact matches sit on the floor; NaN/inf are drawn as red crosses at the top.
-    """
+    Finite positive values are drawn where they are; zeros in an "exact (0)" band below them and
+    NaN/inf (as red crosses) in a "NaN / inf" band above them; ``tol`` is a dashed line. Returns the
+    ``(low, high)`` edges of the finite region."""
+    values = [v for vs in series.values() for v in vs]
+    finite = [v for v in values if math.isfinite(v) and v > 0] + ([tol] if tol else [])
+    low = 10 ** math.floor(math.log10(min(finite or [1e-6])))
+    high = 10 ** math.ceil(math.log10(max(finite or [1.0]))) * 10
+    exact_y, bad_y = low / math.sqrt(BAND), high * math.sqrt(BAND)           # the middle of each band
+    ax.axhspan(low / BAND, low, color="0.92", lw=0)
+    ax.axhspan(high, high * BAND, color="#fbe3e3", lw=0)
+    for label, vs in series.items():
+        x = list(xs) if xs is not None else list(range(len(vs)))
+        ys = [bad_y if not math.isfinite(v) else exact_y if v == 0 else v for v in vs]
+        line, = ax.plot(x, ys, marker=".", label=label)
+        bad = [(xi, bad_y) for xi, v in zip(x, vs) if not math.isfinite(v)]
+        if bad:
+            ax.plot(*zip(*bad), "x", color="red", ms=6, label=f"{label}: NaN/inf")
+    if tol:
+        ax.axhline(tol, color="k", ls="--", lw=0.8, label=f"tolerance {tol:.0e}")
+    ax.set_yscale("log")
+    ax.set_ylim(low / BAND, high * BAND)
+    inner = range(round(math.log10(low)) + 1, round(math.log10(high)))    # decades between the bands
+    decades = [10.0 ** e for e in inner[::1 if len(inner) <= 5 else 2]]
+    ax.set_yticks([exact_y, *decades, bad_y], ["exact 0", *(f"1e{round(math.log10(d))}" for d in decades),
+                                               "NaN/inf"], fontsize=7)
+    ax.minorticks_off()
+    ax.set_ylabel(ylabel, fontsize=8)
+    if xlabel:
+        ax.set_xlabel(xlabel, fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)   # off the data
+    return low, high
+
+
+def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", tol: float | None = 1e-4,
+                     xlabel: str = "sublayer, in forward order", ylabel: str = "max |tplab - HF|"):
+    """One line per run (label -> list of ``golden.Diff``): max abs diff against HF per sublayer, on a
+    log scale, with the tolerance line and the exact and NaN/inf bands of ``draw_diffs``."""
     fig, ax = figure()
     names = [d.name for d in next(iter(runs.values()))]
-    finite = [d.max_abs for rows in runs.values() for d in rows if math.isfinite(d.max_abs) and d.max_abs > 0]
-    top = max(finite + [1.0]) * 10
-    for label, rows in runs.items():
-        ys = [top if not math.isfinite(d.max_abs) else max(d.max_abs, floor) for d in rows]
-        line, = ax.plot(range(len(rows)), ys, marker=".", label=label)
-        bad = [i for i, d in enumerate(rows) if not math.isfinite(d.max_abs)]
-        if bad:
-            ax.plot(bad, [top] * len(bad), "x", color="red", label=f"{label}: NaN/inf")
-    ax.set_yscale("log")
-    ax.set_ylim(floor / 2, top * 3)
+    draw_diffs(ax, {label: [d.max_abs for d in rows] for label, rows in runs.items()}, tol,
+               ylabel=ylabel, xlabel=xlabel)
     step = max(1, len(names) // 12)
     ax.set_xticks(range(0, len(names), step), [short_name(n) for n in names[::step]], rotation=45,
                   ha="right", fontsize=7)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 

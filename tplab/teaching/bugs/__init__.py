@@ -1,0 +1,49 @@
+"""The pitfalls of a student's TP implementation, each a drop-in replacement for one part of the engine.
+
+``LLM(..., bugs=["mask_mul_inf"])`` builds the engine with these parts swapped in; the engine
+itself has no ``if bug:`` branches. Each replacement's docstring quotes the review notes on the
+pitfall it reproduces. A bug replaces fields of ``tplab.Parts`` (attention, RoPE, the linear
+layers, the LM head, the positions function, the checkpoint loader); bugs that replace
+different fields combine. This package registers them with ``tplab.engine.parts``, the one
+place where parts are resolved. By area: ``attention``, ``rope``, ``sharding``, ``positions``,
+``loading``.
+"""
+from tplab.engine import parts
+from tplab.teaching.bugs.attention import RepeatedKVAttention, mask_mul_inf_attend, no_mask_with_cache_attend
+from tplab.teaching.bugs.loading import RandomLMHead, UnloadedLMHead, full_load_per_rank_load
+from tplab.teaching.bugs.positions import decode_with_positions, greedy_with_positions, offby1_token_positions
+from tplab.teaching.bugs.rope import (no_rope_apply, rope_cos_sin_axis_apply, rope_layout_apply,
+                                      rope_swallowed_apply)
+from tplab.teaching.bugs.sharding import (Dim1MergedColumnParallelLinear, Dim1QKVParallelLinear,
+                                          PresizedQKVParallelLinear)
+
+# name -> {field of tplab.Parts: replacement}
+_BUGS = {
+    "mask_mul_inf": {"attend": mask_mul_inf_attend},
+    "no_mask_with_cache": {"attend": no_mask_with_cache_attend},
+    "no_rope": {"apply_rope": no_rope_apply},
+    "rope_layout": {"apply_rope": rope_layout_apply},
+    "rope_cos_sin_axis": {"apply_rope": rope_cos_sin_axis_apply},
+    "rope_swallowed": {"apply_rope": rope_swallowed_apply},
+    "shard_dim1": {"qkv_linear": Dim1QKVParallelLinear, "gate_up_linear": Dim1MergedColumnParallelLinear},
+    "qkv_presized": {"qkv_linear": PresizedQKVParallelLinear},
+    "kv_cache_repeated": {"attention": RepeatedKVAttention},
+    "decode_position_offby1": {"positions": offby1_token_positions},
+    "lm_head_missing": {"lm_head": UnloadedLMHead},
+    "lm_head_random": {"lm_head": RandomLMHead},
+    "full_load_per_rank": {"load_weights": full_load_per_rank_load},
+}
+for _name, _replacements in _BUGS.items():
+    parts.register(_name, **_replacements)
+NAMES = tuple(_BUGS)
+
+
+def describe(name: str) -> str:
+    """The pitfall a bug reproduces (its replacement's docstring)."""
+    if name not in _BUGS:
+        raise ValueError(f"unknown bug name {name!r}; known: {list(NAMES)}")
+    return next(iter(_BUGS[name].values())).__doc__.strip()
+
+
+__all__ = ["NAMES", "describe", "decode_with_positions", "greedy_with_positions", *(
+    r.__name__ for reps in _BUGS.values() for r in reps.values())]
