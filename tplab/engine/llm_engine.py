@@ -105,12 +105,16 @@ class LLMEngine:
         seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, (p, sp) in enumerate(zip(prompts, params))]
         for seq in seqs:
             self.scheduler.add(seq)
+        self.runner.metadata.clear()           # sequence ids start again at 0 in every call
         while self.scheduler.has_work():
             batch = self.scheduler.schedule()
-            for seq, (token, logprob) in zip(batch, self.runner.step(batch)):
-                seq.append(token, logprob, self.eos_ids, self.max_model_len)
+            for seq, sampled in zip(batch, self.runner.step(batch)):
+                if sampled is None:             # a prompt chunk that is not its last: nothing to sample yet
+                    continue
+                seq.append(*sampled, self.eos_ids, self.max_model_len)
                 if seq.finished:
                     self.scheduler.finish(seq)
+                    self.runner.forget(seq)
             self.num_steps += 1
         return seqs
 

@@ -14,6 +14,8 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None
     num_cached_tokens: int = 0           # tokens whose K/V are already in the cache
+    num_scheduled_tokens: int = 0        # tokens the current step feeds: all uncached ones, or a chunk of them
+    num_prefill_tokens: int = 0          # tokens it had when (re)admitted: its prefill ends when they are cached
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of its full blocks (prefix caching)
     logprobs: list[float] = field(default_factory=list)
@@ -30,9 +32,14 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def prefilling(self) -> bool:
+        """Still computing the tokens it was admitted with (a long prompt takes several steps)."""
+        return self.num_cached_tokens < self.num_prefill_tokens
+
     def new_token_ids(self) -> list[int]:
-        """Tokens to run through the model this step: those not yet in the cache."""
-        return self.token_ids[self.num_cached_tokens:]
+        """Tokens to run through the model this step: the next ``num_scheduled_tokens`` uncached ones."""
+        return self.token_ids[self.num_cached_tokens:self.num_cached_tokens + self.num_scheduled_tokens]
 
     def append(self, token: int, logprob: float, eos_ids: frozenset[int], max_model_len: int) -> None:
         """Record a sampled token; mark the sequence finished when it should stop."""
