@@ -125,17 +125,37 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torc
 
     A decode step (``Lq = 1``: one query at the last position, every key visible) is two small
     matmuls, faster on CPU than SDPA's kernel; a prefill whose keys are all new (``Lq = Lk``)
-    uses SDPA's ``is_causal``, the same mask, which lets the kernel skip the hidden blocks.
+    uses SDPA's ``is_causal``, the same mask, which lets the kernel skip the hidden blocks; a chunk
+    after cached keys is split in two (``_cached_then_causal``) for the same reason.
     """
     h_kv, lk, d = k.shape
     if q.shape[1] == 1:
         qg = q.reshape(h_kv, -1, d)                                 # (H_kv, H/H_kv, D): one query per head
         probs = torch.matmul(qg, k.transpose(1, 2)).mul_(scale).softmax(-1)   # (H_kv, H/H_kv, Lk)
         return torch.matmul(probs, v).view(-1, 1, d)                # (H, 1, D)
+    if q.shape[1] < lk and q.device.type == "cpu" and _FLASH_CPU is not None:
+        return _cached_then_causal(q, k, v, scale)
     causal = q.shape[1] == lk
     return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                           attn_mask=None if causal else visible, is_causal=causal,
                                           scale=scale, enable_gqa=True)[0]
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _cached_then_causal(q, k, v, scale):
+    """A chunk after ``P = Lk - Lq`` cached keys: every query sees all of them, and the chunk's own
+    keys causally. One masked SDPA would compute every (query, key) pair of the chunk's square; two
+    flash-attention calls (the cached keys unmasked, the chunk's own ``is_causal``) skip its hidden
+    half, and their outputs merge exactly by their log-sum-exps: ``o = sum_i o_i exp(lse_i - lse)``."""
+    p = k.shape[1] - q.shape[1]
+    q4 = q.unsqueeze(0)                                              # (1, H, Lq, D)
+    o1, lse1 = _FLASH_CPU(q4, k[None, :, :p], v[None, :, :p], 0.0, False, scale=scale)   # lse (1, H, Lq)
+    o2, lse2 = _FLASH_CPU(q4, k[None, :, p:], v[None, :, p:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse1, lse2)
+    out = o1.float() * (lse1 - lse).exp().unsqueeze(-1) + o2.float() * (lse2 - lse).exp().unsqueeze(-1)
+    return out[0].to(q.dtype)                                        # (H, Lq, D)
 
 
 class Attention(nn.Module):
