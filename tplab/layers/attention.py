@@ -131,8 +131,8 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torc
     h_kv, lk, d = k.shape
     if q.shape[1] == 1:
         qg = q.reshape(h_kv, -1, d)                                 # (H_kv, H/H_kv, D): one query per head
-        probs = torch.matmul(qg, k.transpose(1, 2)).mul_(scale).softmax(-1)   # (H_kv, H/H_kv, Lk)
-        return torch.matmul(probs, v).view(-1, 1, d)                # (H, 1, D)
+        scores = torch.baddbmm(qg.new_empty(()), qg, k.transpose(1, 2), beta=0, alpha=scale)  # (H_kv, H/H_kv, Lk)
+        return torch.bmm(scores.softmax(-1), v).view(-1, 1, d)     # (H, 1, D)
     if q.shape[1] < lk and q.device.type == "cpu" and _FLASH_CPU is not None:
         return _cached_then_causal(q, k, v, scale)
     causal = q.shape[1] == lk
