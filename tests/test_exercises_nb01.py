@@ -2,16 +2,19 @@
 import torch
 
 from tplab.exercises import nb01
+from tplab.teaching.solutions import define
+
+SOLUTION = define("causal_mask")["causal_mask"]
 
 
 def test_check_causal_mask_accepts_the_solution():
-    result = nb01.check_causal_mask(nb01.solution_causal_mask)
+    result = nb01.check_causal_mask(SOLUTION)
     assert result.ok is True and "correct" in repr(result)
 
 
 def test_solution_equals_causal_visible_for_decode_and_prefix_shapes():
     for q_len, k_len in [(1, 9), (5, 9), (9, 9)]:
-        assert torch.equal(nb01.solution_causal_mask(q_len, k_len), nb01.reference_mask(q_len, k_len))
+        assert torch.equal(SOLUTION(q_len, k_len), nb01.reference_mask(q_len, k_len))
 
 
 def test_check_causal_mask_reports_a_stub_as_not_attempted():
@@ -27,7 +30,7 @@ def test_check_causal_mask_rejects_tril_without_the_decode_offset():
 
 
 def test_check_causal_mask_rejects_the_inverted_mask():
-    result = nb01.check_causal_mask(lambda q, k: ~nb01.solution_causal_mask(q, k))
+    result = nb01.check_causal_mask(lambda q, k: ~SOLUTION(q, k))
     assert result.ok is False and "inverted" in result.message
 
 

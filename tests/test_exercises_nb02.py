@@ -3,10 +3,13 @@ import pytest
 import torch
 
 from tplab.exercises import nb02
+from tplab.teaching.solutions import define
+
+SOLUTION = define("shard")["shard"]
 
 
 def test_check_shard_accepts_the_solution():
-    result = nb02.check_shard(nb02.solution_shard)
+    result = nb02.check_shard(SOLUTION)
     assert result.ok is True and "correct" in repr(result)
 
 
@@ -14,7 +17,7 @@ def test_check_shard_accepts_the_solution():
 def test_solution_equals_the_loaded_layer_weight(kind):
     weight = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
     for rank in range(4):
-        assert torch.equal(nb02.solution_shard(weight, rank, 4, kind), nb02.reference_shard(weight, rank, 4, kind))
+        assert torch.equal(SOLUTION(weight, rank, 4, kind), nb02.reference_shard(weight, rank, 4, kind))
 
 
 def test_check_shard_reports_a_stub_as_not_attempted():
@@ -34,7 +37,7 @@ def test_check_shard_rejects_swapped_dimensions():
 def test_check_shard_rejects_the_seeds_dim1_narrow_reshaped_into_rows():
     def dim1(weight, rank, tp, kind):
         if kind == "row":
-            return nb02.solution_shard(weight, rank, tp, kind)
+            return SOLUTION(weight, rank, tp, kind)
         rows, cols = weight.shape[0] // tp, weight.shape[1] // tp
         return weight.narrow(1, rank * cols, cols).reshape(rows, weight.shape[1])
     result = nb02.check_shard(dim1)
@@ -42,7 +45,7 @@ def test_check_shard_rejects_the_seeds_dim1_narrow_reshaped_into_rows():
 
 
 def test_check_shard_rejects_the_wrong_rank():
-    result = nb02.check_shard(lambda w, rank, tp, kind: nb02.solution_shard(w, tp - 1 - rank, tp, kind))
+    result = nb02.check_shard(lambda w, rank, tp, kind: SOLUTION(w, tp - 1 - rank, tp, kind))
     assert result.ok is False and "rank 0 of tp 2" in result.message
 
 

@@ -2,11 +2,14 @@
 import torch
 
 from tplab.exercises import nb03
+from tplab.teaching.solutions import define
+
+SOLUTION = define("apply_rope")["apply_rope"]
 from tplab.layers.rotary import apply_rotary
 
 
 def test_check_apply_rope_accepts_the_solution():
-    result = nb03.check_apply_rope(nb03.solution_apply_rope)
+    result = nb03.check_apply_rope(SOLUTION)
     assert result.ok is True and "correct" in repr(result)
 
 
@@ -18,7 +21,7 @@ def test_check_apply_rope_accepts_tplabs_apply_rotary():
 def test_hf_reference_is_hf_apply_rotary_pos_emb_in_hfs_layout():
     x = torch.randn(6, 2, 8)
     cos, sin = nb03.rope_table(torch.arange(6), 8)
-    assert torch.allclose(nb03.hf_reference(x, cos, sin), nb03.solution_apply_rope(x, cos, sin), atol=1e-6)
+    assert torch.allclose(nb03.hf_reference(x, cos, sin), SOLUTION(x, cos, sin), atol=1e-6)
 
 
 def test_check_apply_rope_reports_a_stub_as_not_attempted():

@@ -2,10 +2,13 @@
 import torch
 
 from tplab.exercises import nb04
+from tplab.teaching.solutions import define
+
+SOLUTION = define("repeat_kv")["repeat_kv"]
 
 
 def test_check_repeat_kv_accepts_the_solution():
-    result = nb04.check_repeat_kv(nb04.solution_repeat_kv)
+    result = nb04.check_repeat_kv(SOLUTION)
     assert result.ok is True and "correct" in repr(result)
 
 
@@ -16,7 +19,7 @@ def test_check_repeat_kv_accepts_repeat_interleave():
 
 def test_solution_equals_hf_repeat_kv():
     k = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(nb04.solution_repeat_kv(k, 2), nb04.hf_repeat_kv(k, 2))
+    assert torch.equal(SOLUTION(k, 2), nb04.hf_repeat_kv(k, 2))
 
 
 def test_check_repeat_kv_reports_a_stub_as_not_attempted():

@@ -1,9 +1,12 @@
 """The notebook 05 checker accepts the solution, rejects plausible mistakes, and reports a stub."""
 from tplab.exercises import nb05
+from tplab.teaching.solutions import define
+
+SOLUTION = define("slot_mapping")["slot_mapping"]
 
 
 def test_slot_mapping_solution_is_correct():
-    assert nb05.check_slot_mapping(nb05.solution_slot_mapping).ok is True
+    assert nb05.check_slot_mapping(SOLUTION).ok is True
 
 
 def test_slot_mapping_accepts_a_tensor_answer():

@@ -1,9 +1,12 @@
 """The notebook 06 checker accepts the solution, rejects plausible mistakes, and reports a stub."""
 from tplab.exercises import nb06
+from tplab.teaching.solutions import define
+
+SOLUTION = define("vocab_shard_range")["vocab_shard_range"]
 
 
 def test_vocab_shard_range_solution_is_correct():
-    result = nb06.check_vocab_shard_range(nb06.solution_vocab_shard_range)
+    result = nb06.check_vocab_shard_range(SOLUTION)
     assert result.ok is True, result
 
 

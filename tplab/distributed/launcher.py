@@ -244,6 +244,11 @@ class RankGroup:
                     raise _death(rank, ranks.procs[rank])
         return results
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` was called or a failure stopped the ranks."""
+        return self._ranks.stopped
+
     def _abort(self):
         self._ranks.stop(graceful=False)
         self._finalizer.detach()

@@ -31,6 +31,20 @@ def chain_hash(prev_hash: int | None, token_ids) -> int:
 
 
 class BlockManager:
+    """Which KV blocks each sequence holds, with prefix sharing by reference count.
+
+    Contract of ``Parts.block_manager`` (the scheduler and ``llm.stats()`` use exactly this):
+    - ``__init__(num_blocks, block_size, enable_prefix_caching=False)``;
+    - ``can_allocate(seq) -> int | None``: None when the free blocks cannot hold ``seq``'s tokens (its
+      cached prefix aside), else how many of its leading full blocks are cached already;
+    - ``allocate(seq, num_cached_blocks)``: a block for every token of ``seq`` in ``seq.block_table``, the
+      first ``num_cached_blocks`` shared from the cache, and ``seq.num_cached_tokens`` the tokens they hold;
+    - ``can_append(seq) -> bool``, ``may_append(seq)``: room for, and a block for, ``seq``'s newest token;
+    - ``free(seq)``: give its blocks back (a shared one when its last user goes), empty ``seq.block_table``
+      and set ``seq.num_cached_tokens`` to 0;
+    - counters ``num_blocks``, ``num_used_blocks``, ``prefix_cache_hit_blocks``, ``peak_blocks_used``.
+    """
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]

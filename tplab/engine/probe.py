@@ -27,9 +27,15 @@ def load_model(model, tensor_parallel_size: int = 1, *, tp_rank: int | None = No
                dtype: str = "float32", device="cpu"):
     """This rank's shard of the checkpoint folder ``model``, with ``bugs``/``parts`` swapped in, as
     ``LLM`` builds it. Inside ranks the rank comes from the process group; in one process, ``tp_rank``
-    builds any rank's shard (to look at its weights: its collectives need the real ranks)."""
-    cfg = EngineConfig(model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, bugs=bugs,
-                       parts=parts, device=str(device))
+    builds any rank's shard (to look at its weights: its collectives need the real ranks).
+
+    ``model`` may also be an ``EngineConfig`` made in the parent process (then the other settings come
+    from it): a rank then need not read config.json again, nor import transformers to do it."""
+    if isinstance(model, EngineConfig):
+        cfg, tensor_parallel_size = model, model.tensor_parallel_size
+    else:
+        cfg = EngineConfig(model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, bugs=bugs,
+                           parts=parts, device=str(device))
     tp_size = tensor_parallel_size if tp_rank is not None else None
     return build_model(cfg, device, tp_rank, tp_size)[0]
 

@@ -17,6 +17,15 @@ class VocabParallelEmbedding(nn.Module):
 
     Each rank looks up the ids that fall in its rows, writes zeros for the others,
     and an all-reduce sums the ranks' partial lookups into the full embedding.
+
+    Contract of ``Parts.embedding`` (what a replacement keeps):
+    - ``__init__(num_embeddings, embedding_dim, tp_rank=None, tp_size=None)``: the full vocabulary size.
+    - ``weight``: this rank's ``(ceil(num_embeddings / tp_size), embedding_dim)`` rows (zeros past the
+      real vocabulary), with ``weight.weight_loader``. A tied LM head uses this same tensor.
+    - ``weight_loader(param, loaded, shard_id=None)``: ``loaded`` is the full ``(num_embeddings,
+      embedding_dim)`` checkpoint tensor, or a lazy slice of it.
+    - ``forward(input_ids)``: ``(T,)`` token ids of the whole vocabulary -> ``(T, embedding_dim)``, the
+      same full embeddings on every rank.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank=None, tp_size=None):
@@ -53,6 +62,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Every rank gets the full logits, so every rank can sample the same token from
     the same seeded generator with no extra broadcast.
+
+    Contract of ``Parts.lm_head`` (what a replacement keeps):
+    - ``__init__(num_embeddings, embedding_dim, tp_rank=None, tp_size=None)``, as the embedding.
+    - ``weight``: this rank's ``(ceil(num_embeddings / tp_size), embedding_dim)`` vocabulary rows, with
+      ``weight.weight_loader`` (as the embedding's). With ``tie_word_embeddings`` the model replaces
+      it by the embedding part's ``weight``.
+    - ``forward(hidden)``: ``(N, embedding_dim) -> (N, num_embeddings)``: the full logits on every
+      rank, padding rows dropped.
     """
 
     def forward(self, hidden: torch.Tensor, gather_output: bool = True) -> torch.Tensor:

@@ -113,8 +113,14 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs fused in one matmul (Qwen2's gate_proj | up_proj).
 
-    Each rank's weight is ``[gate rows of this rank | up rows of this rank]``, so the
-    local output splits in two halves that both belong to the same rank's slice.
+    Contract of ``Parts.gate_up_linear`` (what a replacement keeps):
+    - ``__init__(input_size, output_sizes, bias=False, tp_rank=None, tp_size=None)``: ``output_sizes``
+      is ``[intermediate_size, intermediate_size]``, the *full* sizes of gate_proj and up_proj.
+    - ``weight``: this rank's ``(sum(output_sizes) / tp_size, input_size)`` rows, laid out as
+      ``[gate rows of this rank | up rows of this rank]``, with ``weight.weight_loader``.
+    - ``weight_loader(param, loaded, shard_id)``: ``shard_id`` 0 is gate_proj, 1 is up_proj; ``loaded``
+      is the full ``(intermediate_size, input_size)`` checkpoint tensor (or a lazy slice of it).
+    - ``forward(x)``: ``(T, input_size) -> (T, sum(output_sizes) / tp_size)``, no communication.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank=None, tp_size=None):
@@ -137,6 +143,15 @@ class QKVParallelLinear(LinearBase):
     the KV heads (e.g. 2 KV heads at TP 4), each KV head is replicated on
     ``tp_size / total_num_kv_heads`` ranks, as vLLM does: a rank keeps the one KV
     head its query heads attend with.
+
+    Contract of ``Parts.qkv_linear`` (what a replacement keeps):
+    - ``__init__(hidden_size, head_size, total_num_heads, total_num_kv_heads, bias=True, tp_rank=None,
+      tp_size=None)``.
+    - ``weight``: ``((H + 2 H_kv) * head_size, hidden_size)`` with this rank's H query and H_kv KV heads,
+      rows laid out ``[q | k | v]``; ``bias`` likewise; both carry ``weight_loader``.
+    - ``weight_loader(param, loaded, shard_id)``: ``shard_id`` is ``"q"``, ``"k"`` or ``"v"``; ``loaded``
+      is the full checkpoint tensor of q_proj (or k_proj, v_proj), weight or bias.
+    - ``forward(x)``: ``(T, hidden_size) -> (T, (H + 2 H_kv) * head_size)``, no communication.
     """
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
@@ -177,6 +192,16 @@ class RowParallelLinear(LinearBase):
 
     The bias is added on rank 0 only, before the all-reduce, so it is counted once.
     With ``reduce_results=False`` the layer returns this rank's partial sum.
+
+    Contract of ``Parts.row_linear`` (o_proj and down_proj; what a replacement keeps):
+    - ``__init__(input_size, output_size, bias=False, tp_rank=None, tp_size=None)``: full sizes;
+      ``tp_rank``/``tp_size`` default to the process group's (``parallel_state.tp_rank_and_size``).
+    - ``weight``: this rank's ``(output_size, input_size / tp_size)`` columns; ``bias`` (if any) the
+      full ``(output_size,)``; both carry ``weight_loader``.
+    - ``weight_loader(param, loaded, shard_id=None)``: ``loaded`` is the full checkpoint tensor,
+      ``(output_size, input_size)`` (or ``(output_size,)`` for the bias), or a lazy slice of it.
+    - ``forward(x)``: ``(T, input_size / tp_size)``, this rank's slice of the features, ->
+      ``(T, output_size)``, the full sum, the same on every rank.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,

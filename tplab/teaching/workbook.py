@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 from tplab.distributed.launcher import pick_backend
+from tplab.teaching import exercise_cells
+from tplab.teaching.exercise_cells import your_parts  # noqa: F401  (notebook 06's finale)
 
 
 def model_dir() -> Path:
@@ -17,8 +19,15 @@ def model_dir() -> Path:
     return Path(chosen).expanduser() if chosen else tiny_stories()
 
 
-def setup(seed: int = 0) -> None:
-    """Seed everything, and keep library progress bars and warnings out of cell outputs."""
+def setup(seed: int = 0, solutions: bool | None = None) -> None:
+    """Seed everything, keep library progress bars and warnings out of cell outputs, and watch the
+    exercise cells (``# Exercise: <name>``). ``solutions=True`` (default: ``$TPLAB_SOLUTIONS`` is 1)
+    makes every exercise cell run its reference solution, so a room can skip ahead."""
+    if solutions is None:
+        solutions = os.environ.get("TPLAB_SOLUTIONS", "0") not in ("", "0", "false", "False")
+    exercise_cells.install(bool(solutions))
+    if solutions:
+        print("solution mode: every `# Exercise:` cell runs its reference solution")
     random.seed(seed)
     torch.manual_seed(seed)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,6 +59,13 @@ class Checks:
         self.results[name] = ok
         print(f"{name} | {detail + ' | ' if detail else ''}{'ok' if ok else 'FAIL'}")
         assert ok, f"check failed: {name} {detail}"
+
+    def exercise(self, result) -> None:
+        """Show an exercise checker's result. A wrong answer is feedback, not a failure, except in
+        solution mode, where every checker must say correct."""
+        print(result)
+        if exercise_cells.solution_mode():
+            self(f"solution: {result.name}", result.ok is True, "the reference solution passes")
 
     def assert_all(self) -> None:
         failed = [n for n, ok in self.results.items() if not ok]

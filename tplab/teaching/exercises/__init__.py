@@ -1,13 +1,14 @@
-"""Exercises: the learner writes a function in a notebook, a checker says whether it is right.
+"""Exercises: the learner writes a function or a part in a notebook, a checker says whether it is right.
 
-Each notebook's module (``nb01`` ... ``nb06``) has ``check_<name>(fn)`` and a reference
-solution ``solution_<name>``. Checkers compare against tplab or HF on fixed inputs and
-report; they never print the solution. ``show_solution(nbXX.solution_name)`` does, for
-when you are stuck.
+Each notebook's module (``nb01`` ... ``nb06``) has ``check_<name>(fn)``; ``check_part`` runs a
+learner's part inside the real engine against HF. Checkers compare against tplab or HF on fixed
+inputs and say what looks wrong; they never print the solution. ``show_solution(name)`` does,
+for when you are stuck (the reference solutions are in ``tplab.teaching.solutions``).
 """
-import inspect
+from tplab.teaching import solutions
 
-NOT_DONE = "not attempted yet: fill in the function above and run this cell again"
+NOT_DONE = "not attempted yet: fill in the stub above (replace its `raise NotImplementedError`) and run it again"
+FORGOT_RETURN = "returned None: did you forget `return`?"
 
 
 class ExerciseResult:
@@ -22,32 +23,42 @@ class ExerciseResult:
 
 
 def run_checker(name: str, fn, compare) -> ExerciseResult:
-    """Call ``compare(fn)`` -> (ok, message); a stub that raises NotImplementedError or returns
-    None counts as not attempted, any other exception as wrong (with the error shown)."""
+    """Call ``compare(fn)`` -> (ok, message). The stub's own ``raise NotImplementedError`` counts
+    as not attempted; any other exception as wrong, with the error shown."""
     try:
         ok, message = compare(fn)
     except Exception as e:  # a learner's bug: say what it was, do not crash the notebook
-        if isinstance(e, NotImplementedError) and _raised_by(fn, e):
-            return ExerciseResult(name, None, NOT_DONE)   # the stub's own `raise NotImplementedError`
+        if is_stub_error(fn, e):
+            return ExerciseResult(name, None, NOT_DONE)
         return ExerciseResult(name, False, f"raised {type(e).__name__}: {e}")
-    if ok is None:
-        return ExerciseResult(name, None, NOT_DONE)
     return ExerciseResult(name, bool(ok), message)
 
 
-def _raised_by(fn, error: BaseException) -> bool:
-    """True when ``error`` was raised in ``fn``'s own body, not deeper (PyTorch raises
-    NotImplementedError too, e.g. for an op without a kernel for some dtype)."""
+def own_code(obj) -> set:
+    """The code objects of a function, or of the methods a class defines itself (of each, for a list)."""
+    if isinstance(obj, (list, tuple)):
+        return set().union(*map(own_code, obj)) if obj else set()
+    if isinstance(obj, type):
+        return {f.__code__ for f in vars(obj).values() if hasattr(f, "__code__")}
+    return {obj.__code__} if hasattr(obj, "__code__") else set()
+
+
+def is_stub_error(obj, error: BaseException) -> bool:
+    """True for a NotImplementedError raised in ``obj``'s own body (a function, or a class's methods),
+    not deeper: PyTorch raises NotImplementedError too, e.g. for an op with no kernel for a dtype."""
+    if not isinstance(error, NotImplementedError):
+        return False
     tb = error.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code is getattr(fn, "__code__", None)
+    return tb is not None and tb.tb_frame.f_code in own_code(obj)
 
 
-def show_solution(solution) -> None:
-    """Print a reference solution's source."""
-    print(inspect.getsource(solution))
+def show_solution(name: str) -> None:
+    """Print the reference solution of exercise ``name`` (the name after ``# Exercise:`` in its cell)."""
+    print(solutions.source(name))
 
 
 # The notebooks' modules, so that `from tplab.exercises import nb01` finds them on the package.
 from tplab.teaching.exercises import nb01, nb02, nb03, nb04, nb05, nb06  # noqa: E402
+from tplab.teaching.exercises.parts import check_engine, check_part  # noqa: E402

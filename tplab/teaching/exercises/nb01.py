@@ -7,7 +7,7 @@ after a cached prefix), so query i sits at position ``k_len - q_len + i`` and se
 """
 import torch
 
-from tplab.teaching.exercises import run_checker
+from tplab.teaching.exercises import FORGOT_RETURN, run_checker
 from tplab.layers.attention import causal_visible
 
 # (q_len, k_len): prefill, a single token, decode steps, a chunk after a cached prefix
@@ -18,12 +18,6 @@ def reference_mask(q_len: int, k_len: int) -> torch.Tensor:
     """tplab's mask for one sequence: ``(q_len, k_len)`` bool."""
     return causal_visible(q_len, k_len)
 
-
-def solution_causal_mask(q_len: int, k_len: int) -> torch.Tensor:
-    """Query i is at position ``k_len - q_len + i`` and sees every key at or before it."""
-    i = torch.arange(q_len)[:, None]                     # (q_len, 1)
-    j = torch.arange(k_len)[None, :]                     # (1, k_len)
-    return j <= (k_len - q_len) + i                      # (q_len, k_len) bool
 
 
 def _diagnose(mine: torch.Tensor, ref: torch.Tensor, q_len: int, k_len: int) -> str:
@@ -47,7 +41,7 @@ def _compare(fn):
     for q_len, k_len in CASES:
         mine = fn(q_len, k_len)
         if mine is None:
-            return None, ""
+            return False, FORGOT_RETURN
         if not isinstance(mine, torch.Tensor):
             return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
         if mine.dtype != torch.bool:

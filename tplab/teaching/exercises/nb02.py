@@ -8,7 +8,7 @@ or ``(out, in / tp)`` piece. Checked against the weights tplab's ``ColumnParalle
 """
 import torch
 
-from tplab.teaching.exercises import run_checker
+from tplab.teaching.exercises import FORGOT_RETURN, run_checker
 from tplab.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 OUT_FEATURES, IN_FEATURES = 12, 8       # not square, so a transposed or swapped shard shows in its shape
@@ -31,12 +31,6 @@ def reference_shard(weight: torch.Tensor, rank: int, tp: int, kind: str) -> torc
     layer.weight.weight_loader(layer.weight, weight)
     return layer.weight.data
 
-
-def solution_shard(weight: torch.Tensor, rank: int, tp: int, kind: str) -> torch.Tensor:
-    """Column parallel splits dim 0 (out_features), row parallel splits dim 1 (in_features)."""
-    dim = {"column": 0, "row": 1}[kind]
-    size = weight.shape[dim] // tp                       # rows (column) or columns (row) per rank
-    return weight.narrow(dim, rank * size, size)         # (out / tp, in) or (out, in / tp)
 
 
 def _diagnose(mine: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor, rank: int, tp: int, kind: str) -> str:
@@ -65,7 +59,7 @@ def _compare(fn):
             for rank in range(tp):
                 mine = fn(weight.clone(), rank, tp, kind)
                 if mine is None:
-                    return None, ""
+                    return False, FORGOT_RETURN
                 if not isinstance(mine, torch.Tensor):
                     return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
                 ref = reference_shard(weight, rank, tp, kind)

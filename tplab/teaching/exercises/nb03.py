@@ -7,7 +7,7 @@ inputs, including shapes where a wrong layout broadcasts without an error (T == 
 """
 import torch
 
-from tplab.teaching.exercises import run_checker
+from tplab.teaching.exercises import FORGOT_RETURN, run_checker
 
 # (T, H, D): a general prefill, T == H (a wrong axis still broadcasts), one decode token, one head
 CASES = [(5, 3, 8), (4, 4, 8), (1, 2, 16), (6, 1, 8)]
@@ -29,13 +29,6 @@ def hf_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     out, _ = apply_rotary_pos_emb(q, q, cos[None], sin[None], unsqueeze_dim=1)  # cos -> (1, 1, T, D)
     return out[0].transpose(0, 1)                                    # (T, H, D)
 
-
-def solution_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Give cos/sin a head axis so they line up with tokens, then rotate the two halves of D."""
-    cos, sin = cos[:, None, :], sin[:, None, :]                      # (T, 1, D): same for every head
-    x1, x2 = x.chunk(2, dim=-1)                                      # (T, H, D/2) each
-    rotated = torch.cat((-x2, x1), dim=-1)                           # rotate_half: pairs (x_i, x_{i+D/2})
-    return x * cos + rotated * sin                                   # (T, H, D)
 
 
 def _rotate_pairs(x):                                                # interleaved: (x0, x1) -> (-x1, x0)
@@ -77,7 +70,7 @@ def _run_case(fn, T, H, D, gen):
     except Exception as e:
         return "raised", f"{type(e).__name__}: {str(e).splitlines()[0]}"
     if mine is None:
-        return None, ""
+        return None, FORGOT_RETURN
     if not isinstance(mine, torch.Tensor) or tuple(mine.shape) != (T, H, D):
         shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
         return "shape", f"returned {shape}, expected {(T, H, D)}: cos/sin broadcast to the wrong shape"
@@ -96,7 +89,7 @@ def _compare(fn):
     for T, H, D in CASES:
         status, detail = _run_case(fn, T, H, D, gen)
         if status is None:
-            return None, ""
+            return False, detail
         results[(T, H, D)] = (status, detail)
     bad = {shape: r for shape, r in results.items() if r[0] != "ok"}
     if not bad:

@@ -7,7 +7,7 @@
 """
 import torch
 
-from tplab.teaching.exercises import run_checker
+from tplab.teaching.exercises import FORGOT_RETURN, run_checker
 
 # (B, H_kv, T, D, n_rep): GQA groups of 2 and 3, MQA (one KV head), no repeat, a batch of 2
 CASES = [(1, 2, 5, 4, 2), (2, 3, 4, 2, 2), (1, 2, 3, 4, 3), (1, 1, 4, 2, 4), (2, 4, 3, 2, 1)]
@@ -26,12 +26,6 @@ def checker_kv(b: int, h_kv: int, t: int, d: int) -> torch.Tensor:
     return torch.arange(h_kv, dtype=torch.float32)[None, :, None, None] + ramp
 
 
-def solution_repeat_kv(k: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Each KV head serves ``n_rep`` consecutive query heads: copy it in place, ``n_rep`` times."""
-    b, h_kv, t, d = k.shape
-    k = k[:, :, None, :, :].expand(b, h_kv, n_rep, t, d)  # (B, H_kv, n_rep, T, D), a view: nothing copied yet
-    return k.reshape(b, h_kv * n_rep, t, d)              # (B, H_kv * n_rep, T, D); = k.repeat_interleave(n_rep, 1)
-
 
 def _heads(x: torch.Tensor) -> list[int]:
     """Which KV head each output head came from (the whole part of the checker's values)."""
@@ -43,7 +37,7 @@ def _compare(fn):
         k = checker_kv(b, h_kv, t, d)
         mine = fn(k.clone(), n_rep)
         if mine is None:
-            return None, ""
+            return False, FORGOT_RETURN
         if not isinstance(mine, torch.Tensor):
             return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
         ref = hf_repeat_kv(k, n_rep)

@@ -7,7 +7,7 @@ block tables in any order.
 """
 import torch
 
-from tplab.teaching.exercises import ExerciseResult, run_checker
+from tplab.teaching.exercises import FORGOT_RETURN, ExerciseResult, run_checker
 from tplab.layers.attention import build_metadata
 
 # (block_table, first new position, context length, block_size): the new tokens are
@@ -34,7 +34,7 @@ def _compare(fn):
         positions = list(range(first, context))
         got = fn(list(block_table), list(positions), block_size)
         if got is None:
-            return None, ""
+            return False, FORGOT_RETURN
         got = torch.as_tensor(got).long().flatten()
         ref = _reference(block_table, positions, block_size)
         if got.shape != ref.shape or not torch.equal(got, ref):
@@ -46,8 +46,3 @@ def _compare(fn):
 def check_slot_mapping(fn) -> ExerciseResult:
     """``fn(block_table, positions, block_size)`` -> one cache slot per position (list or tensor)."""
     return run_checker("slot_mapping", fn, _compare)
-
-
-def solution_slot_mapping(block_table, positions, block_size):
-    """Token p lives in block ``block_table[p // block_size]``, at offset ``p % block_size`` in it."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in positions]

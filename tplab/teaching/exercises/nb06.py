@@ -5,7 +5,7 @@
 rank: the vocab is padded up to a multiple of ``tp``, every rank holds the same number of
 rows, and the last rank may hold fewer real ones.
 """
-from tplab.teaching.exercises import ExerciseResult, run_checker
+from tplab.teaching.exercises import FORGOT_RETURN, ExerciseResult, run_checker
 from tplab.layers.embed_head import VocabParallelEmbedding
 
 # (vocab_size, tp): divisible, odd, and small vocabularies where padding shows.
@@ -23,7 +23,7 @@ def _compare(fn):
         for rank in range(tp):
             got = fn(vocab_size, rank, tp)
             if got is None:
-                return None, ""
+                return False, FORGOT_RETURN
             got, ref = tuple(int(x) for x in got), _reference(vocab_size, rank, tp)
             if got != ref:
                 return False, (f"vocab_size {vocab_size}, tp {tp}, rank {rank}: got {got}, "
@@ -35,10 +35,3 @@ def _compare(fn):
 def check_vocab_shard_range(fn) -> ExerciseResult:
     """``fn(vocab_size, rank, tp)`` -> ``(start, end)``: the real rows ``[start, end)`` rank ``rank`` holds."""
     return run_checker("vocab_shard_range", fn, _compare)
-
-
-def solution_vocab_shard_range(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
-    """Pad the vocab up to a multiple of tp; rank r holds the r-th equal slice, cut at the real vocab."""
-    per_rank = -(-vocab_size // tp)                 # ceil(vocab_size / tp) rows each, padding included
-    start = rank * per_rank
-    return start, max(start, min(start + per_rank, vocab_size))

@@ -1,0 +1,220 @@
+"""check_part: learners' layers written from scratch pass it; each usual mistake is rejected with its
+diagnosis; a stub is "not attempted"; a part that raises or hangs in a rank ends in a clear error."""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+from tplab import LLM, SamplingParams
+from tplab.distributed.parallel_state import all_gather, all_reduce
+from tplab.exercises import FORGOT_RETURN, check_part
+from tplab.teaching.exercises.parts import reference
+from tplab.teaching.solutions import PARTS, define
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the mistakes below travel to the ranks by value
+
+SOLUTION = {name: define(name)[cls] for name, cls in PARTS.items() if name in
+            ("row_linear", "gate_up_linear", "qkv_linear", "embedding", "lm_head")}
+Row, GateUp, QKV = SOLUTION["row_linear"], SOLUTION["gate_up_linear"], SOLUTION["qkv_linear"]
+Embedding, Head = SOLUTION["embedding"], SOLUTION["lm_head"]
+
+
+@pytest.mark.parametrize("name", sorted(SOLUTION))
+def test_a_part_written_from_scratch_passes(name):
+    assert not any(c.__module__.startswith("tplab.layers") for c in SOLUTION[name].__mro__)   # not tplab's
+    result = check_part(name, SOLUTION[name])
+    assert result.ok is True, result.message
+    assert "every sublayer is within" in result.message and "greedy tokens at TP 2 equal HF's" in result.message
+
+
+@pytest.mark.parametrize("name", sorted(SOLUTION))
+def test_the_part_gives_hf_greedy_tokens_through_llm_at_tp2(name):
+    ref = reference()
+    with LLM(ref["model"], tensor_parallel_size=2, parts={name: SOLUTION[name]}) as llm:
+        outs = llm.generate(ref["prompts"], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref["tokens"]
+
+
+def test_qkv_with_kv_replication_passes_at_tp4():
+    result = check_part("qkv_linear", QKV, tensor_parallel_size=4)      # 2 KV heads, 4 ranks: replicas
+    assert result.ok is True, result.message
+
+
+class NoAllReduce(Row):
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y + self.bias if self.bias is not None and self.tp_rank == 0 else y
+
+
+class ReducedTwice(Row):
+    def forward(self, x):
+        return all_reduce(super().forward(x), self.tp_size)
+
+
+class Averaged(Row):
+    def forward(self, x):
+        return super().forward(x) / self.tp_size
+
+
+class BiasOnEveryRank(Row):
+    def forward(self, x):
+        y = x @ self.weight.T
+        return all_reduce(y + self.bias if self.bias is not None else y, self.tp_size)
+
+
+class WrongDimRow(Row):
+    """Allocates and loads the column-parallel shard (rows) instead of columns."""
+    def __init__(self, input_size, output_size, bias=False, tp_rank=None, tp_size=None):
+        super().__init__(input_size, output_size, bias, tp_rank, tp_size)
+        self.weight = torch.nn.Parameter(torch.empty(output_size // self.tp_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:
+            return super().weight_loader(param, loaded, shard_id)
+        rows = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows).materialize())
+
+
+@pytest.mark.parametrize("impl, words", [
+    (NoAllReduce, "no all-reduce"), (ReducedTwice, "reduced twice"), (Averaged, "averaged"),
+    (BiasOnEveryRank, "bias is counted 2 times"), (WrongDimRow, "sharded on the wrong dimension")])
+def test_row_linear_mistakes_are_named(impl, words):
+    result = check_part("row_linear", impl)
+    assert result.ok is False and words in result.message, result.message
+
+
+class Swapped(GateUp):
+    def weight_loader(self, param, loaded, shard_id):
+        super().weight_loader(param, loaded, 1 - shard_id)
+
+
+def test_gate_up_with_gate_and_up_swapped_is_named():
+    result = check_part("gate_up_linear", Swapped)
+    assert result.ok is False and "shard_id 0 is gate_proj" in result.message, result.message
+
+
+class NotReplicated(QKV):
+    """Takes KV head tp_rank, as if there were at least as many KV heads as ranks."""
+    def weight_loader(self, param, loaded, shard_id):
+        self.replicas = 1
+        super().weight_loader(param, loaded, shard_id)
+
+
+class ModuloKV(QKV):
+    """Keeps KV head tp_rank % total_num_kv_heads: every KV head is kept, by the wrong ranks."""
+    def weight_loader(self, param, loaded, shard_id):
+        if shard_id == "q":
+            return super().weight_loader(param, loaded, shard_id)
+        heads = loaded.shape[0] // self.kv_size                     # total KV heads
+        offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        start = (self.tp_rank % heads) * self.kv_size
+        param.data.narrow(0, offset, self.kv_size).copy_(loaded.narrow(0, start, self.kv_size).materialize())
+
+
+def test_qkv_without_kv_replication_fails_with_the_rank_and_line():
+    result = check_part("qkv_linear", NotReplicated, tensor_parallel_size=4)
+    assert result.ok is False and "rank 2 raised" in result.message and "cannot take" in result.message, result.message
+    assert "line" in result.message
+
+
+def test_qkv_keeping_the_wrong_kv_head_is_named():
+    result = check_part("qkv_linear", ModuloKV, tensor_parallel_size=4)
+    assert result.ok is False and "attend with KV head 0" in result.message, result.message
+
+
+class Unmasked(Embedding):
+    def forward(self, input_ids):
+        local = (input_ids - self.start).clamp(0, self.per_rank - 1)
+        return all_reduce(self.weight[local], self.tp_size)
+
+
+class EmbeddingNoAllReduce(Embedding):
+    def forward(self, input_ids):
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.per_rank)
+        return self.weight[local.masked_fill(~mine, 0)].masked_fill(~mine[:, None], 0.0)
+
+
+@pytest.mark.parametrize("impl, words", [(Unmasked, "ids outside this rank's rows"),
+                                         (EmbeddingNoAllReduce, "no all-reduce")])
+def test_embedding_mistakes_are_named(impl, words):
+    result = check_part("embedding", impl)
+    assert result.ok is False and words in result.message, result.message
+
+
+class NoGather(Head):
+    def forward(self, hidden):
+        return hidden @ self.weight.T
+
+
+class PaddingKept(Head):
+    def forward(self, hidden):
+        return all_gather(hidden @ self.weight.T, self.tp_size, dim=-1)
+
+
+@pytest.mark.parametrize("impl, words", [(NoGather, "all-gather every rank's"), (PaddingKept, "drop the padding")])
+def test_lm_head_mistakes_are_named(impl, words):
+    result = check_part("lm_head", impl)                 # the probe's vocabulary of 11 is padded to 12 at TP 2
+    assert result.ok is False and words in result.message, result.message
+
+
+class Stub(torch.nn.Module):
+    def __init__(self, input_size, output_size, bias=False, tp_rank=None, tp_size=None):
+        super().__init__()
+        raise NotImplementedError
+
+
+class ForgetsReturn(Row):
+    def forward(self, x):
+        super().forward(x)
+
+
+class RaisesOnRank1(Row):
+    def forward(self, x):
+        if self.tp_rank == 1:
+            raise ValueError("learner bug")
+        return super().forward(x)
+
+
+class HangsOnRank0(Row):
+    def forward(self, x):
+        if self.tp_size > 1 and self.tp_rank == 0:
+            return x.new_zeros(x.shape[0], self.output_size)       # skips the all-reduce rank 1 waits in
+        return super().forward(x)
+
+
+def test_a_stub_is_not_attempted_and_a_missing_return_is_named():
+    assert check_part("row_linear", Stub).ok is None
+    result = check_part("row_linear", ForgetsReturn)
+    assert result.ok is False and result.message.endswith(FORGOT_RETURN.replace("returned", "forward returned")), \
+        result.message
+
+
+def test_a_part_that_raises_in_a_rank_names_the_rank_and_line_and_the_next_call_works():
+    result = check_part("row_linear", RaisesOnRank1)
+    assert result.ok is False and "rank 1 raised ValueError: learner bug" in result.message, result.message
+    assert 'raise ValueError("learner bug")' in result.message
+    assert check_part("row_linear", Row).ok is True
+
+
+def test_a_part_that_hangs_is_stopped_at_the_timeout():
+    result = check_part("row_linear", HangsOnRank0, timeout=20)
+    assert result.ok is False and "did not finish in time" in result.message, result.message
+
+
+class CallsDistDirectly(Row):
+    """torch.distributed.all_reduce with no guard: fine in ranks, an error at TP 1 in the notebook's process."""
+    def forward(self, x):
+        import torch.distributed as dist
+        y = x @ self.weight.T
+        dist.all_reduce(y)
+        return y
+
+
+def test_a_collective_at_tp1_without_a_group_gets_a_hint():
+    result = check_part("row_linear", CallsDistDirectly)
+    assert result.ok is False and "at TP 1 (in this process) there is no process group" in result.message, \
+        result.message
+    assert "dist.all_reduce(y)" in result.message                      # the learner's line

@@ -1,0 +1,58 @@
+"""check_part("attention", ...): a learner's attention over the paged cache, from scratch, and its usual mistakes."""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tplab.exercises import check_part
+from tplab.teaching.solutions import define
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MyAttention = define("attention")["MyAttention"]
+
+
+def test_attention_written_from_scratch_passes_at_tp2_and_tp4():
+    assert MyAttention.__mro__[1] is torch.nn.Module                    # not a subclass of tplab's
+    for tp in (2, 4):
+        result = check_part("attention", MyAttention, tensor_parallel_size=tp)
+        assert result.ok is True, result.message
+
+
+class RepeatedInCache(MyAttention):
+    """Repeats K/V to the query heads before storing them, as the student's cache did."""
+    def forward(self, q, k, v, kv_cache, meta):
+        group = self.num_heads // self.num_kv_heads
+        return super().forward(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), kv_cache, meta)
+
+
+class NoMask(MyAttention):
+    def forward(self, q, k, v, kv_cache, meta):
+        meta.visible = [torch.ones_like(m) for m in meta.visible]
+        return super().forward(q, k, v, kv_cache, meta)
+
+
+class Tiled(MyAttention):
+    """Query head h reads KV head h % H_kv: k.repeat instead of k.repeat_interleave."""
+    def forward(self, q, k, v, kv_cache, meta):
+        k_cache, v_cache = (c.view(-1, *c.shape[2:]) for c in kv_cache)
+        k_cache[meta.slot_mapping], v_cache[meta.slot_mapping] = k, v
+        out, group = torch.empty_like(q), self.num_heads // self.num_kv_heads
+        for b in range(len(meta.seq_lens)):
+            s, e = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+            keys = k_cache[meta.seq_kv_slots(b)].transpose(0, 1).repeat(group, 1, 1)
+            values = v_cache[meta.seq_kv_slots(b)].transpose(0, 1).repeat(group, 1, 1)
+            out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), keys, values,
+                                                      attn_mask=meta.visible[b], scale=self.scale).transpose(0, 1)
+        return out.flatten(1)
+
+
+@pytest.mark.parametrize("impl, words", [
+    (RepeatedInCache, "store the KV heads, repeat only for the scores"),
+    (NoMask, "the prefill's queries see later keys"),
+    (Tiled, "it must read KV head h // (H / H_kv)")])
+def test_attention_mistakes_are_named(impl, words):
+    result = check_part("attention", impl)
+    assert result.ok is False and words in result.message, result.message

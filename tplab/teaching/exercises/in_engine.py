@@ -1,0 +1,95 @@
+"""Running a learner's parts inside the engine for ``check_part``: HF's answers on the shipped model
+(computed once), the engine config with the parts checked for a missing ``return``, one prefill with
+hooks on every sublayer (in this process or in a rank), and greedy serving through ``Worker``s in
+ranks kept from one check to the next."""
+import functools
+
+import torch
+
+from tplab.distributed.launcher import RankGroup
+from tplab.engine.config import EngineConfig
+from tplab.engine.probe import load_model, probe
+from tplab.engine.sampling import SamplingParams
+from tplab.engine.worker import Worker
+from tplab.models.checkpoints import tiny_stories
+from tplab.teaching.exercises.layer_probes import ForgotReturn
+from tplab.teaching.golden import activation_names, hf_activations
+
+PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and"]
+# a shared prefix, more KV than the cache holds: the block manager shares blocks, preempts and recomputes
+WORKLOAD = [PROMPTS[0] + " girl", PROMPTS[0] + " boy", PROMPTS[0] + " dog", PROMPTS[0] + " bird"]
+WORKLOAD_ENGINE = dict(block_size=4, num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=True)
+NEW_TOKENS = 12
+
+@functools.lru_cache(maxsize=1)
+def reference() -> dict:
+    """HF's activations for the first prompt and greedy tokens for every prompt, on the shipped model."""
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+    model_dir = tiny_stories()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts, workload = ([tokenizer.encode(p) for p in texts] for texts in (PROMPTS, WORKLOAD))
+    with torch.no_grad():
+        tokens, workload_tokens = ([hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                min_new_tokens=NEW_TOKENS)[0, len(p):].tolist() for p in ps]
+                                   for ps in (prompts, workload))
+    return {"model": str(model_dir), "prompts": prompts, "tokens": tokens, "acts": hf_activations(hf, prompts[0]),
+            "workload": workload, "workload_tokens": workload_tokens}
+
+
+def checked(obj):
+    """``obj`` with a check that it never returns None (a part's forward, or a function part)."""
+    if isinstance(obj, type):
+        return obj                                   # classes: forward hooks, see engine_acts
+    @functools.wraps(obj)
+    def part(*args, **kwargs):
+        out = obj(*args, **kwargs)
+        if out is None:
+            raise ForgotReturn(f"{obj.__name__} returned None: did you forget `return`?")
+        return out
+    return part
+
+
+def engine_config(parts, tp, **settings) -> EngineConfig:
+    """The shipped model's engine with ``parts`` (each checked for a missing ``return``), made here once."""
+    return EngineConfig(model=reference()["model"], tensor_parallel_size=tp, device="cpu",
+                        parts={k: checked(v) for k, v in parts.items()}, **settings)
+
+
+def engine_acts(cfg, prompt):
+    """This rank's activations for one prefill of ``prompt`` in the engine ``cfg`` (in a rank, or here)."""
+    model = load_model(cfg)
+    classes = tuple(v for v in cfg.parts.replaced().values() if isinstance(v, type))
+
+    def no_none(module, _, out):
+        if out is None:
+            raise ForgotReturn(f"{type(module).__name__}.forward returned None: did you forget `return`?")
+    for module in model.modules():
+        if classes and isinstance(module, classes):
+            module.register_forward_hook(no_none)
+    out = probe(model, prompt, outputs_of=activation_names(len(model.model.layers))[:-1])
+    return {**out.outputs, "logits": out.logits.float().cpu()}
+
+
+_groups: dict[int, RankGroup] = {}
+
+
+def kept_ranks(tp: int, timeout: float) -> RankGroup:
+    """``tp`` gloo ranks kept from one check to the next (starting them costs seconds); a group that a
+    failure closed is replaced. They end with this process."""
+    group = _groups.get(tp)
+    if group is None or group.closed:
+        group = _groups[tp] = RankGroup(tp, backend="gloo", timeout=timeout)
+    return group
+
+
+def serve(group, parts, tp, timeout) -> tuple[list, list[list[int]], dict]:
+    """Greedy tokens through one engine of ``parts`` in ``group``: the prompts, or with a block manager part
+    the workload (shared prefixes, a cache too small for all); and the HF tokens to compare with, the stats."""
+    ref, workload = reference(), "block_manager" in parts
+    settings = WORKLOAD_ENGINE if workload else {}
+    prompts = ref["workload" if workload else "prompts"]
+    group.create(Worker, (engine_config(parts, tp, **settings),), timeout=timeout)
+    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
+    tokens = [ids for ids, _, _ in group.call("generate", (prompts, params), timeout=timeout)[0]]
+    return tokens, ref["workload_tokens" if workload else "tokens"], group.call("stats", timeout=timeout)[0]

@@ -1,0 +1,172 @@
+"""Read every rank's probe result (``layer_probes.run_probe``) and say what is right, or which usual
+mistake it is. Each ``diagnose_<part>(spec, results, tp)`` returns ``(ok, message)``; the
+expected weights and outputs are worked out here from the full tensors, with plain matmuls."""
+import torch
+
+from tplab.teaching.exercises.layer_probes import D, E, H, H_KV, I, V, close
+
+ALL_REDUCE = "tplab.distributed.parallel_state.all_reduce(y, tp_size) or torch.distributed.all_reduce(y)"
+
+
+def _shape(t) -> tuple:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else ()
+
+
+def _check_param(results, name, expected, what) -> str | None:
+    """A message for the first rank whose ``name`` differs from ``expected[r]``, else None."""
+    for r, res in enumerate(results):
+        got = res["params"].get(name)
+        if got is None:
+            return f"rank {r}: the layer has no parameter `{name}`"
+        if _shape(got) != _shape(expected[r]):
+            return f"rank {r}: `{name}` has shape {_shape(got)}, expected {_shape(expected[r])} ({what})"
+        if not close(got, expected[r]):
+            return f"rank {r}: `{name}` has the right shape but holds the wrong numbers ({what})"
+    return None
+
+
+def _check_output(results, expected, mistakes) -> tuple[bool, str]:
+    """``mistakes``: list of (name, per-rank expected outputs, explanation); first matching rank wins."""
+    for r, res in enumerate(results):
+        out = res["out"]
+        if close(out, expected[r]):
+            continue
+        for _, outputs, why in mistakes:
+            if close(out, outputs[r]):
+                return False, f"rank {r}: {why}"
+        if _shape(out) != _shape(expected[r]):
+            return False, f"rank {r}: forward returned shape {_shape(out)}, expected {_shape(expected[r])}"
+        worst = float((out.float() - expected[r].float()).abs().max())
+        return False, f"rank {r}: forward's output differs from the right one by up to {worst:.1e}"
+    return True, ""
+
+
+def diagnose_row_linear(spec, results, tp):
+    w, b, x = spec.weights[0][1], spec.weights[1][1], spec.x
+    cols = I // tp
+    w_r = [w[:, r * cols:(r + 1) * cols] for r in range(tp)]
+    bad = _check_param(results, "weight", w_r, "this rank's columns of the (output_size, input_size) weight: "
+                       "row parallel splits dim 1, the inputs")
+    if bad and _shape(results[0]["params"].get("weight")) == (E // tp, I) and tp > 1:
+        bad += "; yours is the column-parallel shard: rows of dim 0, sharded on the wrong dimension"
+    bad = bad or _check_param(results, "bias", [b] * tp, "the bias is not split: it is added once, in full")
+    if bad or "out" not in results[0]:                                      # weights only: stop here
+        return not bad, bad or ""
+    partial = [x[:, r * cols:(r + 1) * cols] @ w_r[r].T for r in range(tp)]        # (T, E) each
+    total = sum(partial) + b
+    if tp == 1:
+        return _check_output(results, [total], [])
+    return _check_output(results, [total] * tp, [
+        ("no all-reduce", [p + b for p in partial], "returned its own partial sum plus the bias: no all-reduce. "
+         f"Each rank holds a slice of the inputs, so the ranks' results must be summed: {ALL_REDUCE}"),
+        ("no all-reduce", [p + (b if r == 0 else 0) for r, p in enumerate(partial)],
+         f"returned its own partial sum: no all-reduce. Sum the ranks' results with {ALL_REDUCE}"),
+        ("twice", [total * tp] * tp, f"the output is {tp}x the right one: reduced twice. One all-reduce adds the "
+         "partial sums; a second adds tp_size copies of the total"),
+        ("averaged", [total / tp] * tp, f"the output is 1/{tp} of the right one: averaged. The partial sums must be "
+         "added (ReduceOp.SUM), not averaged, and not divided by tp_size"),
+        ("bias", [total + (tp - 1) * b] * tp, f"the bias is counted {tp} times: added on every rank before the "
+         "all-reduce. Add it on rank 0 only, or once after the all-reduce"),
+    ])
+
+
+def diagnose_gate_up_linear(spec, results, tp):
+    g, u, x = spec.weights[0][1], spec.weights[1][1], spec.x
+    rows = I // tp
+    right = [torch.cat([g[r * rows:(r + 1) * rows], u[r * rows:(r + 1) * rows]]) for r in range(tp)]
+    bad = _check_param(results, "weight", right, "[this rank's gate rows | this rank's up rows]")
+    if bad:
+        got = results[0]["params"].get("weight")
+        fused = torch.cat([g, u])[: 2 * rows]
+        if close(got, fused):
+            bad = ("rank 0 holds the first rows of the fused [gate | up] tensor, i.e. gate rows only: each rank "
+                   "needs its rows of gate_proj AND its rows of up_proj, so silu(gate) * up pairs up on the rank")
+        elif close(got, torch.cat([u[:rows], g[:rows]])):
+            bad = "rank 0 holds [up | gate]: shard_id 0 is gate_proj and goes first, shard_id 1 is up_proj"
+        elif _shape(got) == (2 * I, E // tp):
+            bad += "; yours keeps every row and a slice of the columns: sharded on the wrong dimension (dim 1)"
+    if bad or "out" not in results[0]:                                      # weights only: stop here
+        return not bad, bad or ""
+    out = [x @ w.T for w in right]                                                  # (T, 2 I / tp)
+    return _check_output(results, out, [
+        ("gathered", [torch.cat([o for o in out], -1)] * tp, "returned every rank's outputs gathered: column "
+         "parallel needs no collective, the next (row-parallel) layer takes this rank's slice"),
+        ("reduced", [sum(out)] * tp, "summed over ranks: column parallel needs no all-reduce, each rank keeps its "
+         "own output features"),
+    ])
+
+
+def diagnose_qkv_linear(spec, results, tp):
+    (_, q, _), (_, k, _), (_, v, _), (_, bq, _), (_, bk, _), (_, bv, _) = spec.weights
+    nh, nkv, reps = H // tp, max(1, H_KV // tp), max(1, tp // H_KV)
+
+    def rows(t, start, n):
+        return t[start * D:(start + n) * D]
+
+    def fused(r, group):
+        return [torch.cat([rows(a, r * nh, nh), rows(b_, group * nkv, nkv), rows(c, group * nkv, nkv)])
+                for a, b_, c in ((q, k, v), (bq, bk, bv))]
+    right = [fused(r, r // reps) for r in range(tp)]
+    bad = _check_param(results, "weight", [w for w, _ in right], "rows [q heads | k heads | v heads] of this rank")
+    if bad and reps > 1:
+        for r, res in enumerate(results):
+            got = res["params"].get("weight")
+            if r // reps != r % H_KV and close(got, fused(r, r % H_KV)[0]):
+                return False, (f"rank {r} keeps KV head {r % H_KV} (r % total_num_kv_heads), but its query heads "
+                               f"{list(range(r * nh, (r + 1) * nh))} attend with KV head {r // reps}: with tp_size "
+                               f"{tp} > {H_KV} KV heads, each KV head is replicated on {reps} neighbouring ranks, "
+                               f"rank r keeps KV head r // {reps}")
+    bad = bad or _check_param(results, "bias", [b for _, b in right], "this rank's q | k | v bias")
+    if bad or "out" not in results[0]:                                      # weights only: stop here
+        return not bad, bad or ""
+    return _check_output(results, [spec.x @ w.T + b for w, b in right], [])
+
+
+def diagnose_embedding(spec, results, tp):
+    w, ids = spec.weights[0][1], spec.x
+    per_rank = -(-V // tp)
+    padded = torch.cat([w, torch.zeros(per_rank * tp - V, E)])
+    bad = _check_param(results, "weight", [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)],
+                       f"rows [r * {per_rank}, (r + 1) * {per_rank}) of the vocabulary padded to a multiple of "
+                       "tp_size, zeros past the real vocabulary")
+    if bad or "out" not in results[0]:                                      # weights only: stop here
+        return not bad, bad or ""
+    full = w[ids]
+    local = []
+    for r in range(tp):
+        idx = ids - r * per_rank
+        mine = (idx >= 0) & (idx < per_rank)
+        local.append(padded[r * per_rank:][:per_rank][idx.clamp(0, per_rank - 1)] * mine[:, None])
+    unmasked = sum(padded[r * per_rank:][:per_rank][(ids - r * per_rank).clamp(0, per_rank - 1)] for r in range(tp))
+    return _check_output(results, [full] * tp, [
+        ("unmasked", [unmasked] * tp, "ids outside this rank's rows were looked up anyway (clamped, not zeroed): "
+         "mask them, i.e. zero the rows of ids the rank does not own, before the all-reduce"),
+        ("no all-reduce", local, f"returned only the ids it owns (zeros elsewhere): no all-reduce. {ALL_REDUCE}"),
+        ("twice", [full * tp] * tp, f"{tp}x the right embedding: reduced twice"),
+        ("averaged", [full / tp] * tp, f"1/{tp} of the right embedding: averaged, not summed"),
+    ])
+
+
+def diagnose_lm_head(spec, results, tp):
+    w, hidden = spec.weights[0][1], spec.x
+    per_rank = -(-V // tp)
+    padded = torch.cat([w, torch.zeros(per_rank * tp - V, E)])
+    bad = _check_param(results, "weight", [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)],
+                       f"this rank's {per_rank} rows of the vocabulary padded to a multiple of tp_size")
+    if bad or "out" not in results[0]:                                      # weights only: stop here
+        return not bad, bad or ""
+    logits = hidden @ padded.T                                                     # (N, per_rank * tp)
+    local = [logits[:, r * per_rank:(r + 1) * per_rank] for r in range(tp)]
+    return _check_output(results, [logits[:, :V]] * tp, [
+        ("no gather", local, "returned only this rank's slice of the vocabulary: all-gather every rank's "
+         "(N, vocab / tp) logits along the last dim"),
+        ("padding", [logits] * tp, f"returned {per_rank * tp} logits: drop the padding, keep the first "
+         f"num_embeddings = {V}"),
+        ("reduced", [sum(local)] * tp, "summed the ranks' logits: they hold different vocabulary rows, so "
+         "concatenate them (all-gather), do not add them"),
+        ("dim 0", [torch.cat(local, 0)] * tp, "gathered along dim 0: the vocabulary is the last dim"),
+    ])
+
+
+DIAGNOSE = {"row_linear": diagnose_row_linear, "gate_up_linear": diagnose_gate_up_linear,
+            "qkv_linear": diagnose_qkv_linear, "embedding": diagnose_embedding, "lm_head": diagnose_lm_head}

@@ -1,0 +1,115 @@
+"""A learner's parallel layer alone: built on every rank, loaded with small known weights, run on
+known inputs, and its weights and outputs compared with the right answer and with each usual
+mistake (no all-reduce, reduced twice, averaged, bias on every rank, the wrong dimension, ids left
+unmasked, a KV head not replicated, no all-gather), so the checker can name the mistake.
+
+``SPECS[name](tp)`` describes the probe of part ``name``; ``run_probe`` runs in each rank (or in this
+process at TP 1); ``DIAGNOSE[name]`` reads every rank's result.
+"""
+from dataclasses import dataclass
+
+import torch
+
+E, I, H, H_KV, D, V = 8, 12, 4, 2, 4, 11      # small, unequal sizes: a swapped dimension shows in a shape
+
+
+class ForgotReturn(RuntimeError):
+    """A part's forward returned None."""
+
+
+class TensorSlice:
+    """A checkpoint tensor as the engine's loader hands it over: ``.shape``, ``.narrow``, ``materialize()``."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._t, self.shape = tensor, tuple(tensor.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> "TensorSlice":
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise IndexError(f"cannot take [{start}:{start + length}] of dim {dim} from shape {self.shape}")
+        return TensorSlice(self._t.narrow(dim, start, length))
+
+    def materialize(self) -> torch.Tensor:
+        return self._t.clone()
+
+
+@dataclass
+class Spec:
+    """How to build, load and run one part in the probe."""
+    args: tuple                                   # constructor arguments before tp_rank / tp_size
+    kwargs: dict
+    weights: list                                 # (parameter name, full checkpoint tensor, shard id)
+    x: torch.Tensor                               # the full input
+    split_input: bool = False                     # row parallel: rank r gets its slice of x's last dim
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def row_spec(tp):
+    w, b = _randn(E, I, seed=1), _randn(E, seed=2)
+    return Spec((I, E), {"bias": True}, [("weight", w, None), ("bias", b, None)], _randn(3, I, seed=3), True)
+
+
+def gate_up_spec(tp):
+    g, u = _randn(I, E, seed=4), _randn(I, E, seed=5)
+    return Spec((E, [I, I]), {"bias": False}, [("weight", g, 0), ("weight", u, 1)], _randn(3, E, seed=6))
+
+
+def qkv_spec(tp):
+    q, k, v = _randn(H * D, E, seed=7), _randn(H_KV * D, E, seed=8), _randn(H_KV * D, E, seed=9)
+    bq, bk, bv = _randn(H * D, seed=10), _randn(H_KV * D, seed=11), _randn(H_KV * D, seed=12)
+    weights = [("weight", q, "q"), ("weight", k, "k"), ("weight", v, "v"), ("bias", bq, "q"), ("bias", bk, "k"),
+               ("bias", bv, "v")]
+    return Spec((E, D, H, H_KV), {"bias": True}, weights, _randn(3, E, seed=13))
+
+
+def embedding_spec(tp):
+    ids = torch.cat([torch.arange(V), torch.tensor([V - 1, 0, 5])])          # every id, a few repeated
+    return Spec((V, E), {}, [("weight", _randn(V, E, seed=14), None)], ids)
+
+
+def lm_head_spec(tp):
+    return Spec((V, E), {}, [("weight", _randn(V, E, seed=15), None)], _randn(3, E, seed=16))
+
+
+SPECS = {"row_linear": row_spec, "gate_up_linear": gate_up_spec, "qkv_linear": qkv_spec,
+         "embedding": embedding_spec, "lm_head": lm_head_spec}
+
+
+def run_probe(impl, spec: Spec, tp_rank: int, tp_size: int, forward: bool = True) -> dict:
+    """Build ``impl`` for this rank, load the spec's weights through its ``weight_loader``s, and run
+    forward (unless ``forward`` is False: the loaded weights can be judged even if forward fails)."""
+    layer = impl(*spec.args, **spec.kwargs, tp_rank=tp_rank, tp_size=tp_size)
+    for name, full, shard_id in spec.weights:
+        param = getattr(layer, name, None)
+        if not isinstance(param, torch.Tensor):
+            raise AttributeError(f"the layer has no tensor `{name}`: the engine loads the checkpoint into "
+                                 f"`self.{name}` (an nn.Parameter)")
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            raise AttributeError(f"`self.{name}` has no weight_loader: set `self.{name}.weight_loader = "
+                                 "self.weight_loader` in __init__, the engine's loader calls it")
+        loader(param, TensorSlice(full), shard_id)
+    params = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    if not forward:
+        return {"params": params}
+    x = spec.x
+    if spec.split_input:
+        cols = x.shape[-1] // tp_size
+        x = x[:, tp_rank * cols:(tp_rank + 1) * cols]
+    with torch.no_grad():
+        out = layer(x.clone())
+    if out is None:
+        raise ForgotReturn("forward returned None: did you forget `return`?")
+    return {"params": params, "out": out.detach().clone()}
+
+
+def probe_in_rank(impl, name: str, tp_size: int, forward: bool = True) -> dict:
+    """Inside a rank of a process group: the probe of part ``name`` for this rank."""
+    import torch.distributed as dist
+    return run_probe(impl, SPECS[name](tp_size), dist.get_rank(), tp_size, forward)
+
+
+def close(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5)

@@ -1,0 +1,203 @@
+"""``check_part``: a learner's part, run alone and inside the real engine, judged against Hugging Face.
+
+    check_part("row_linear", MyRowParallelLinear, tensor_parallel_size=2)
+
+1. The part alone (``layer_probes``): built on every rank, loaded with small known weights, run on
+   known inputs; its weights and outputs are compared with the right ones and with each usual
+   mistake, so the message can name it.
+2. Inside the engine: the shipped model with the part swapped in (``LLM(parts=...)``'s mechanism),
+   one prompt prefilled at TP 1 here and at the given TP size in real ranks, every sublayer's output
+   on every rank compared with HF's; then greedy tokens at that TP size against HF's ``generate``.
+
+A stub (its own ``raise NotImplementedError``) is "not attempted"; an exception comes back with the
+rank and the learner's line; ranks that hang are stopped at ``timeout``.
+"""
+import linecache
+import re
+import traceback
+
+import torch
+
+from tplab.distributed.launcher import RankError
+from tplab.engine.parts import FIELDS
+from tplab.teaching.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
+                                      own_code)
+from tplab.teaching.exercises.layer_diagnoses import DIAGNOSE
+from tplab.teaching.exercises.in_engine import NEW_TOKENS, engine_acts, engine_config, kept_ranks, reference, serve
+from tplab.teaching.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
+
+TOL = 1e-4
+
+LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
+                "block_manager": block_manager_probe}
+HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
+    ("attention", "shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
+                           "per slot) has no room for them: store the KV heads, repeat only for the scores"),
+    (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
+           "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
+           "all_gather(x, tp_size), which do"),
+]
+
+
+def _first_diff(ref, acts) -> tuple[str, float] | None:
+    """The first activation (forward order) more than TOL away from HF's, and by how much."""
+    for name, r in ref.items():
+        m = acts[name]
+        diff = float("inf") if m.shape != r.shape or not torch.isfinite(m).all() else float((m - r).abs().max())
+        if not diff <= TOL:
+            return name, diff
+    return None
+
+
+def _worst(ref, acts) -> float:
+    return max(float((acts[n] - r).abs().max()) for n, r in ref.items())
+
+
+def learner_line(impl, text: str) -> str:
+    """Where in the learner's code a traceback (text) went wrong: ``" in forward, line 12: y = ..."``."""
+    files = {c.co_filename for c in own_code(impl)}
+    hits = [(f, int(n), fn) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text) if f in files]
+    if not hits:
+        return ""
+    filename, lineno, function = hits[-1]
+    code = linecache.getline(filename, lineno).strip()
+    return f" in your {function}, line {lineno}" + (f": `{code}`" if code else "")
+
+
+def _exception_result(name, impl, error, where) -> ExerciseResult:
+    """The result for an exception raised by the learner's part (here, or in a rank)."""
+    if is_stub_error(impl, error):
+        return ExerciseResult(name, None, NOT_DONE)
+    if isinstance(error, ForgotReturn):
+        return ExerciseResult(name, False, f"{where}: {error}")
+    if isinstance(error, RankError):
+        last = error.remote_traceback.strip().splitlines()[-1] if error.remote_traceback else str(error)
+        if last.startswith("NotImplementedError") and learner_line(impl, error.remote_traceback):
+            return ExerciseResult(name, None, NOT_DONE)
+        hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in last)
+        return ExerciseResult(name, False, f"{where}, rank {error.rank} raised {last}"
+                                           f"{learner_line(impl, error.remote_traceback)}{hint}")
+    if isinstance(error, TimeoutError):
+        return ExerciseResult(name, False, f"{where}: the ranks did not finish in time and were all stopped. A "
+                              "collective that not every rank reaches waits forever (e.g. an all_reduce inside "
+                              "`if tp_rank == 0:`, or a rank that returns before it)")
+    text = "".join(traceback.format_exception(error))
+    hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in str(error))
+    return ExerciseResult(name, False, f"{where}: raised {type(error).__name__}: {error}"
+                                       f"{learner_line(impl, text)}{hint}")
+
+
+def _describe_diffs(tp, per_rank) -> str | None:
+    """``per_rank``: ``_first_diff`` of each rank. A sentence naming the first sublayer that differs."""
+    bad = [(r, d) for r, d in enumerate(per_rank) if d is not None]
+    if not bad:
+        return None
+    r, (name, diff) = min(bad, key=lambda rd: list(reference()["acts"]).index(rd[1][0]))
+    ranks = f" on rank {r}" + (f" (ranks {[b[0] for b in bad]} differ)" if len(bad) > 1 else "") if tp > 1 else ""
+    return (f"inside the engine at TP {tp}, {name} is the first sublayer that differs from HF: by "
+            f"{diff:.1e}{ranks}; everything before it matches")
+
+
+def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None:
+    """Stage 1 at TP ``tp`` (in this process when ``group`` is None): what is wrong with the part alone."""
+    if name in LOCAL_PROBES:                          # no collectives: once, in this process
+        if group is not None:
+            return None
+        ok, why = LOCAL_PROBES[name].diagnose(LOCAL_PROBES[name].run(impl))
+        return None if ok else f"the part alone: {why}"
+    if name not in SPECS:
+        return None
+    for forward in (False, True):                     # the loaded weights first, then the output
+        results = [run_probe(impl, SPECS[name](1), 0, 1, forward)] if group is None else \
+            group.run(probe_in_rank, (impl, name, tp, forward), timeout=timeout)
+        ok, why = DIAGNOSE[name](SPECS[name](tp), results, tp)
+        if not ok:
+            return f"the layer alone at TP {tp}, {why}" if tp > 1 else f"the layer alone at TP 1: " \
+                                                                       f"{why.removeprefix('rank 0: ')}"
+    return None
+
+
+def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool = True) -> ExerciseResult:
+    """Stages 1 (when ``unit``) and 2 of the module docstring for ``parts`` (``{field: replacement}``) at TP 1
+    and ``tp``. ``impl`` is the learner's class or function (or a list of them), to find their lines."""
+    ref, where = reference(), "at TP 1"
+    try:
+        why = _alone(name, impl, 1) if unit else None
+        if why:
+            return ExerciseResult(name, False, why)
+        acts1 = engine_acts(engine_config(parts, 1), ref["prompts"][0])
+        where, group = f"at TP {tp}", kept_ranks(tp, timeout)
+        why = _alone(name, impl, tp, group, timeout) if unit else None
+        if why:
+            return ExerciseResult(name, False, why)
+        acts = group.run(engine_acts, (engine_config(parts, tp), ref["prompts"][0]), timeout=timeout)
+        tokens, want, stats = serve(group, parts, tp, timeout)
+    except Exception as e:  # the learner's code raised, here or in a rank; or the ranks hung
+        return _exception_result(name, impl, e, where)
+    return _verdict(name, parts, tp, [acts1], acts, tokens, want, stats)
+
+
+def _verdict(name, parts, tp, acts1, acts, tokens, want, stats) -> ExerciseResult:
+    """Stage 2's comparisons with HF: every sublayer at TP 1 and ``tp``, then the greedy tokens."""
+    ref = reference()
+    for size, rank_acts in ((1, acts1), (tp, acts)):
+        why = _describe_diffs(size, [_first_diff(ref["acts"], a) for a in rank_acts])
+        if why:
+            return ExerciseResult(name, False, why)
+    if tokens != want:
+        i = next(i for i, (a, b) in enumerate(zip(tokens, want)) if a != b)
+        return ExerciseResult(name, False, f"prefill matches HF, but the greedy tokens of prompt {i} at TP {tp} "
+                              f"differ: {tokens[i]} vs HF's {want[i]} (decode steps go wrong)")
+    if "block_manager" in parts and not (stats["num_preemptions"] and stats["prefix_cache_hit_blocks"]):
+        return ExerciseResult(name, False, f"the tokens are right, but the workload should have preempted and hit "
+                              f"the prefix cache: {stats['num_preemptions']} preemptions, "
+                              f"{stats['prefix_cache_hit_blocks']} prefix-cache hit blocks")
+    worst = max(_worst(ref["acts"], a) for a in [*acts1, *acts])
+    served = (f", {stats['num_preemptions']} preemption(s) and {stats['prefix_cache_hit_blocks']} prefix-cache hit "
+              "blocks on the way" if "block_manager" in parts else "")
+    return ExerciseResult(name, True, f"inside the engine every sublayer is within {TOL:g} of HF at TP 1 and TP "
+                          f"{tp} on every rank (worst {worst:.1e}), and {len(tokens)} x {NEW_TOKENS} greedy tokens "
+                          f"at TP {tp} equal HF's{served}")
+
+
+def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 90.0) -> ExerciseResult:
+    """Run the shipped model with ``impl`` as part ``name`` (a field of ``tplab.Parts``) at TP 1 and at
+    ``tensor_parallel_size`` against HF. ``.ok`` is True, False, or None for an untouched stub;
+    ``.message`` names the first sublayer that differs, on which rank, and the mistake where it
+    recognises one."""
+    if name not in FIELDS:
+        raise ValueError(f"no part named {name!r}; the parts are {list(FIELDS)}")
+    return judge_in_engine(name, impl, {name: impl}, tensor_parallel_size, timeout)
+
+
+def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 120.0) -> ExerciseResult:
+    """Notebook 06's finale: every part in ``parts`` (``{field of tplab.Parts: your class}``, e.g.
+    ``workbook.your_parts()``) at once, in one engine at TP 1 and ``tensor_parallel_size``, against HF
+    sublayer by sublayer and token for token."""
+    name = "your engine"
+    unknown = sorted(set(parts) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{unknown} are not parts; the parts are {list(FIELDS)}")
+    missing = [p for p in ("embedding", "qkv_linear", "row_linear", "gate_up_linear", "lm_head") if p not in parts]
+    stubs = [p for p, impl in parts.items() if _is_stub(impl, p)]
+    if not parts:
+        return ExerciseResult(name, None, "not attempted yet: write the part exercises (notebooks 02, 04, 05 and "
+                                          "06: `# Exercise: row_linear` ...), run their cells, then this one")
+    if stubs:
+        return ExerciseResult(name, None, f"{NOT_DONE}; still stubs: {', '.join(stubs)}")
+    result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
+    if result.ok and missing:
+        result.message += f" (tplab's own {', '.join(missing)}: write them too to make it all yours)"
+    return result
+
+
+def _is_stub(impl, name) -> bool:
+    """Whether ``impl`` is still the exercise's stub: probing it raises its own NotImplementedError."""
+    try:
+        if name in SPECS:
+            run_probe(impl, SPECS[name](1), 0, 1)
+        elif name in LOCAL_PROBES:
+            LOCAL_PROBES[name].run(impl)
+    except Exception as e:
+        return is_stub_error(impl, e)
+    return False
