@@ -107,6 +107,11 @@ def test_incremental_metadata_equals_build_metadata():
             assert torch.equal(getattr(meta, field), getattr(ref, field)), field
         assert (meta.query_start_loc, meta.kv_start_loc) == (ref.query_start_loc, ref.kv_start_loc)
         assert all(torch.equal(a, b) for a, b in zip(meta.visible, ref.visible))
+        assert (meta.decode is None) == (ref.decode is None)
+        if meta.decode is not None:
+            assert meta.decode.seqs == ref.decode.seqs
+            for field in ("token_index", "blocks", "block_seq", "num_blocks", "hidden"):
+                assert torch.equal(getattr(meta.decode, field), getattr(ref.decode, field)), field
         for seq in batch:                                           # what the runner and engine do
             seq.num_cached_tokens += seq.num_scheduled_tokens
             if seq.num_cached_tokens == len(seq):

@@ -9,6 +9,7 @@ notebooks and ``probe`` use.
 import torch
 
 from tplab.layers.attention import AttentionMetadata, build_metadata, causal_visible
+from tplab.layers.paged_decode import decode_blocks
 
 
 class MetadataBuilder:
@@ -58,10 +59,12 @@ class MetadataBuilder:
         if positions != expected:                                     # raises, naming the token
             build_metadata([s.num_scheduled_tokens for s in seqs], seq_lens, [s.block_table for s in seqs],
                            self.block_size, self.device, positions)
+        query_lens = [s.num_scheduled_tokens for s in seqs]
         return AttentionMetadata(
             positions=torch.tensor(positions, device=self.device), slot_mapping=torch.cat(new_parts),
             query_start_loc=q_start, seq_lens=seq_lens, kv_slots=torch.cat(kv_parts), kv_start_loc=kv_start,
-            visible=visible)
+            visible=visible, decode=decode_blocks(query_lens, seq_lens, [s.block_table for s in seqs],
+                                                  self.block_size, self.device))
 
     def forget(self, seq_id: int) -> None:
         self._slots.pop(seq_id, None)
