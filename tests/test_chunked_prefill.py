@@ -120,3 +120,10 @@ def test_incremental_metadata_equals_build_metadata():
                     scheduler.finish(seq)
         steps += 1
     assert steps > 10
+
+
+def test_an_unscheduled_sequence_feeds_all_its_uncached_tokens():
+    seq = Sequence(0, [5, 6, 7], 3, GREEDY)
+    assert token_positions(seq) == [0, 1, 2] and seq.new_token_ids() == [5, 6, 7]
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 1, 1          # a chunk of one token
+    assert token_positions(seq) == [1] and seq.new_token_ids() == [6]

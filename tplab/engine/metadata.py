@@ -45,7 +45,7 @@ class MetadataBuilder:
         q_start, kv_start, seq_lens, kv_parts, new_parts, visible = [0], [0], [], [], [], []
         positions, expected = [], []
         for seq in seqs:
-            cached, n = seq.num_cached_tokens, seq.num_scheduled_tokens
+            cached, n = seq.num_cached_tokens, seq.num_new_tokens
             context = cached + n
             slots = self.slots_of(seq)
             kv_parts.append(slots[:context])                          # (Lk,) its keys, cached then new
@@ -57,9 +57,9 @@ class MetadataBuilder:
             positions += positions_fn(seq)
             expected += range(cached, context)
         if positions != expected:                                     # raises, naming the token
-            build_metadata([s.num_scheduled_tokens for s in seqs], seq_lens, [s.block_table for s in seqs],
+            build_metadata([s.num_new_tokens for s in seqs], seq_lens, [s.block_table for s in seqs],
                            self.block_size, self.device, positions)
-        query_lens = [s.num_scheduled_tokens for s in seqs]
+        query_lens = [s.num_new_tokens for s in seqs]
         return AttentionMetadata(
             positions=torch.tensor(positions, device=self.device), slot_mapping=torch.cat(new_parts),
             query_start_loc=q_start, seq_lens=seq_lens, kv_slots=torch.cat(kv_parts), kv_start_loc=kv_start,

@@ -19,7 +19,7 @@ from tplab.engine.metadata import MetadataBuilder
 
 def token_positions(seq: Sequence) -> list[int]:
     """Positions of the tokens a step feeds for ``seq``: their index in the sequence."""
-    return list(range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens))
+    return list(range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_new_tokens))
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ class ModelRunner:
         input_ids = torch.tensor([t for s in seqs for t in s.new_token_ids()], device=self.device)   # (T,)
         hidden = self.model(input_ids, self.kv_caches, meta)                                           # (T, E)
         for seq in seqs:
-            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_cached_tokens += seq.num_new_tokens
+            seq.num_scheduled_tokens = 0                # consumed: the next step is scheduled anew
         done = [b for b, seq in enumerate(seqs) if seq.num_cached_tokens == len(seq)]
         if not done:
             return [None] * len(seqs)
