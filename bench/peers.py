@@ -167,37 +167,44 @@ def child_prefill(engine: str, ckpt: str, length: int) -> dict:
         from prefill import hf_prefill
         model = load_hf(ckpt)
         hf_prefill(model, prompt[:32])
-        t0 = time.perf_counter()
-        token = hf_prefill(model, prompt)
     else:
         from tplab import LLM
         llm = LLM(ckpt, dtype="float32", num_kv_blocks=-(-(length + 64) // 16))   # the cache this prompt needs
         tplab_gen(llm)([prompt[:32]], 1)
+    load_hwm = next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
+                    if l.startswith("VmHWM"))
+    Path("/proc/self/clear_refs").write_text("5")               # restart VmHWM: the prefill's own peak next
+    if engine == "hf":
+        t0 = time.perf_counter()
+        token = hf_prefill(model, prompt)
+    else:
         t0 = time.perf_counter()
         token = tplab_gen(llm)([prompt], 1)[1][0][0]
     seconds = time.perf_counter() - t0
-    hwm = next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
-               if l.startswith("VmHWM"))
-    return {"seconds": seconds, "token": token, "peak_rss": hwm}
+    status = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
+              if l.startswith(("VmHWM", "VmRSS"))}
+    return {"seconds": seconds, "token": token, "peak_rss": status["VmHWM"], "load_hwm": load_hwm}
 
 
 def run_prefill(ckpt, cfg, quick):
     rows = []
     for i, length in enumerate(cfg["prefill_lens"]):
         reps = 1 if i == 0 else cfg["reps"]                     # the long one once: a minute or more each
-        rates, tokens, rss = {"tplab": [], "hf": []}, {}, {}
+        rates, tokens, rss, load = {"tplab": [], "hf": []}, {}, {}, {}
         for r in range(reps):
             for e in (("tplab", "hf") if r % 2 == 0 else ("hf", "tplab")):
                 out = subprocess.run([sys.executable, __file__, "--child-prefill", e, str(ckpt), str(length)],
                                      check=True, capture_output=True, text=True)
                 res = json.loads(out.stdout.strip().splitlines()[-1])
                 rates[e].append(length / res["seconds"])
-                tokens[e], rss[e] = res["token"], res["peak_rss"]
+                tokens[e], rss[e], load[e] = res["token"], res["peak_rss"], res["load_hwm"]
         gib = 1 << 30
         rows.append(row(f"prefill, {length}-token prompt", rates, tokens, "tplab", "hf", "HF forward",
-                        note=f"fresh process each; peak RSS (VmHWM, load + prefill) tplab {rss['tplab'] / gib:.2f} GiB, "
-                             f"HF {rss['hf'] / gib:.2f} GiB"))
-        rows[-1].extra.update(peak_rss=rss)
+                        note=f"fresh process each; peak RSS during the prefill (VmHWM restarted after loading) "
+                             f"tplab {rss['tplab'] / gib:.2f} GiB, HF {rss['hf'] / gib:.2f} GiB; while loading tplab "
+                             f"{load['tplab'] / gib:.2f} GiB, HF {load['hf'] / gib:.2f} GiB (file pages of the "
+                             "mapped checkpoint included)"))
+        rows[-1].extra.update(peak_rss=rss, load_peak_rss=load)
     return rows
 
 
@@ -210,9 +217,10 @@ def run_bf16(ckpt, cfg, quick):
             LLM(ckpt, dtype="float32", kv_cache_memory=256 << 20) as fp32:
         rates, tokens = rounds({"tplab": tplab_gen(bf16), "hf": hf_gen(hf), "fp32": tplab_gen(fp32)}, prompt, n,
                                cfg["reps"], True)
-    agree = sum(a == b for a, b in zip(tokens["tplab"][0], tokens["hf"][0])) / n
+    agree = lambda a, b: sum(x == y for x, y in zip(tokens[a][0], tokens[b][0])) / n
     return [row("decode, batch 1, bf16 vs HF bf16", rates, tokens, "tplab", "hf", "HF bf16",
-                note=f"bf16 token agreement with HF bf16 {agree:.0%}"),
+                note=f"greedy token agreement: tplab bf16 with HF bf16 {agree('tplab', 'hf'):.0%}; for scale, "
+                     f"HF bf16 with fp32 {agree('hf', 'fp32'):.0%}, tplab bf16 with fp32 {agree('tplab', 'fp32'):.0%}"),
             Row("decode, batch 1, tplab bf16 vs tplab fp32", median(rates["tplab"]), median(rates["fp32"]), "tok/s",
                 "tplab fp32", ratio=paired(rates["tplab"], rates["fp32"]), target=">= 1.6",
                 note="bf16 reads half the weight bytes")]
@@ -247,7 +255,8 @@ def main():
     print_table(rows)
     out = BENCH / ("results-peers-quick.json" if args.quick else "results.json")
     doc = json.loads(out.read_text()) if out.exists() else {}
-    doc["peers"] = {"machine": machine, "settings": cfg, "checkpoint": str(ckpt), "rows": rows_to_json(rows),
+    kept = [r for r in doc.get("peers", {}).get("rows", []) if r["name"] not in {x.name for x in rows}]
+    doc["peers"] = {"machine": machine, "settings": cfg, "checkpoint": str(ckpt), "rows": kept + rows_to_json(rows),
                     "seconds": time.perf_counter() - t0, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "command": "python bench/peers.py" + (" --quick" if args.quick else "")}
     out.write_text(json.dumps(doc, indent=2, default=str))
