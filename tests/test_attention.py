@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tplab.layers.attention import Attention, build_metadata, causal_visible, sdpa_attend
+from tplab.layers.paged_decode import paged_decode
 
 H, H_KV, D = 6, 2, 8
 
@@ -36,6 +37,9 @@ def test_metadata_of_a_mixed_step_reads_exactly_each_sequences_slots():
     assert meta.kv_slots.numel() == 20                              # no padding to the longest sequence
     assert [tuple(m.shape) for m in meta.visible] == [(1, 10), (3, 3), (2, 7)]
     assert meta.query_lens() == [1, 3, 2]
+    dec = meta.decode                                               # A alone decodes: its 3 blocks, not padded
+    assert dec.seqs == [0] and dec.blocks.tolist() == [3, 1, 4] and dec.num_blocks.tolist() == [3]
+    assert dec.hidden[:, 0, 0].tolist() == [[False] * 4, [False] * 4, [False, False, True, True]]
 
 
 def test_metadata_refuses_positions_that_disagree_with_the_cache():
@@ -75,3 +79,21 @@ def test_attention_writes_kv_heads_and_attends_each_sequence_to_its_own_keys(att
         rows, slots = slice(meta.query_start_loc[b], meta.query_start_loc[b + 1]), meta.seq_kv_slots(b)
         ref = reference_attention(q[rows], k_flat[slots], v_flat[slots], D ** -0.5)
         torch.testing.assert_close(out[rows].view(-1, H, D), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_equals_one_sequence_at_a_time(dtype):
+    """Decodes of sequences of very different lengths, attended together, equal each one alone."""
+    torch.manual_seed(1)
+    block_size, lens = 4, [1, 9, 30, 4, 13]
+    tables = [list(range(i * 8, i * 8 + -(-n // block_size))) for i, n in enumerate(lens)]
+    cache = tuple(torch.randn(40, block_size, H_KV, D, dtype=dtype) for _ in range(2))
+    meta = build_metadata([1] * len(lens), lens, tables, block_size, "cpu")
+    q = torch.randn(len(lens), H, D, dtype=dtype)
+    out = paged_decode(q, *cache, meta.decode, D ** -0.5)          # (B, H, D)
+    k_flat, v_flat = (c.flatten(0, 1).float() for c in cache)
+    for b in range(len(lens)):
+        slots = meta.seq_kv_slots(b)
+        ref = reference_attention(q[b:b + 1].float(), k_flat[slots], v_flat[slots], D ** -0.5)[0]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[b].float(), ref, rtol=tol, atol=tol)

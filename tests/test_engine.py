@@ -109,3 +109,11 @@ def test_shut_down_llm_refuses_to_generate(checkpoint):
     engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate([[1, 2]])
+
+
+def test_progress_bar_counts_every_prompt_on_stderr(llm, capsys):
+    outs = llm.generate([[1, 2], [3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err and "output:" in err and len(outs) == 2
+    llm.generate([[1, 2], [3]], SamplingParams(max_tokens=2))   # default: no terminal here, no bar
+    assert "Processed prompts" not in capsys.readouterr().err

@@ -96,7 +96,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None   # None: as many as kv_cache_memory allows
     kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: see engine.kv_cache_budget
     max_num_seqs: int = 16             # sequences in flight per step
-    max_num_batched_tokens: int = 4096  # tokens per step (a longer prompt still runs alone)
+    max_num_batched_tokens: int = 4096  # tokens per step; a longer prompt is prefilled in chunks of this
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
     hf_config: object = field(default=None, repr=False)

@@ -5,6 +5,7 @@ with ``tplab.distributed.RankGroup``, each holding a ``Worker`` with the same en
 process only tokenizes, checks input and collects rank 0's answer. Under ``torchrun`` (a
 process group already initialised) every rank runs the engine in-process.
 """
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,12 +92,19 @@ class LLM:
             return self._group.backend
         return dist.get_backend() if dist.is_initialized() else "none"
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):
-        """Continue each prompt (strings, or lists of token ids); one ``RequestOutput`` per prompt, in order."""
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None):
+        """Continue each prompt (strings, or lists of token ids); one ``RequestOutput`` per prompt, in order.
+
+        ``use_tqdm``: a progress bar of finished prompts and token rates on stderr, as vLLM's; None (the
+        default) shows it when stderr is a terminal and there is more than one prompt, so notebooks and
+        tests stay quiet."""
         texts, token_lists = self._tokenize(prompts)
         params = self._params_for(sampling_params, len(token_lists))
         self._check_lengths(token_lists, params)
-        results = self._call("generate", token_lists, params)
+        if use_tqdm is None:
+            use_tqdm = len(token_lists) > 1 and sys.stderr.isatty()
+        results = self._call("generate", token_lists, params, bool(use_tqdm))
         return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
                 for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
 

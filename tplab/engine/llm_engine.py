@@ -81,6 +81,27 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
     return int(blocks)
 
 
+class Progress:
+    """vLLM's bar: prompts finished, and the input and output token rates so far."""
+
+    def __init__(self, seqs: list[Sequence]):
+        from tqdm.auto import tqdm
+        self.bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        self.num_in = self.num_out = 0
+
+    def finished(self, seq: Sequence) -> None:
+        self.num_in += seq.num_prompt_tokens
+        self.num_out += len(seq.output_token_ids)
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self.bar.postfix = (f"est. speed input: {self.num_in / elapsed:.2f} toks/s, "
+                            f"output: {self.num_out / elapsed:.2f} toks/s")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class LLMEngine:
     """One rank's engine: the model shard, its paged KV cache, the scheduler and the step loop."""
 
@@ -100,18 +121,28 @@ class LLMEngine:
                                                      cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.num_steps = 0
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
-        """Serve every prompt with continuous batching; returns the finished sequences in prompt order."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False) -> list[Sequence]:
+        """Serve every prompt with continuous batching; returns the finished sequences in prompt order.
+        ``use_tqdm``: rank 0 draws a progress bar on stderr (the driver's, which the ranks share)."""
         seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, (p, sp) in enumerate(zip(prompts, params))]
+        bar = Progress(seqs) if use_tqdm and (not dist.is_initialized() or dist.get_rank() == 0) else None
         for seq in seqs:
             self.scheduler.add(seq)
+        self.runner.metadata.clear()           # sequence ids start again at 0 in every call
         while self.scheduler.has_work():
             batch = self.scheduler.schedule()
-            for seq, (token, logprob) in zip(batch, self.runner.step(batch)):
-                seq.append(token, logprob, self.eos_ids, self.max_model_len)
+            for seq, sampled in zip(batch, self.runner.step(batch)):
+                if sampled is None:             # a prompt chunk that is not its last: nothing to sample yet
+                    continue
+                seq.append(*sampled, self.eos_ids, self.max_model_len)
                 if seq.finished:
                     self.scheduler.finish(seq)
+                    self.runner.forget(seq)
+                    if bar is not None:
+                        bar.finished(seq)
             self.num_steps += 1
+        if bar is not None:
+            bar.close()
         return seqs
 
     def stats(self) -> dict:

@@ -1,5 +1,6 @@
 """One rank's model runner: its paged KV cache, and one forward pass per step that feeds every
-scheduled sequence its new tokens and samples one token for each.
+scheduled sequence its next tokens (a decode token, or a chunk of a prompt) and samples one token for
+each sequence that has no uncached token left.
 
 The KV cache holds, per layer, K and V of shape ``(num_blocks, block_size, H_kv, D)``: this rank's
 KV heads only (``H_kv = num_kv_heads / tp_size``, or one replica when they are fewer than the
@@ -13,12 +14,12 @@ import torch
 
 from tplab.engine.sampling import sample
 from tplab.engine.sequence import Sequence
-from tplab.layers.attention import build_metadata
+from tplab.engine.metadata import MetadataBuilder
 
 
 def token_positions(seq: Sequence) -> list[int]:
     """Positions of the tokens a step feeds for ``seq``: their index in the sequence."""
-    return list(range(seq.num_cached_tokens, len(seq)))
+    return list(range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_new_tokens))
 
 
 @dataclass(frozen=True)
@@ -47,30 +48,39 @@ def kv_cache_bytes(kv_caches) -> int:
 
 
 class ModelRunner:
-    """Owns the model shard and its KV cache on one rank; ``step`` runs prefill and decode alike."""
+    """Owns the model shard and its KV cache on one rank; ``step`` runs prefill chunks and decodes alike."""
 
     def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions=token_positions):
         self.model, self.spec, self.device = model, spec, torch.device(device)
         self.positions = positions                  # Parts.positions: a step's token positions
         self.num_blocks = num_blocks
         self.kv_caches = spec.allocate(num_blocks, self.device)
+        self.metadata = MetadataBuilder(spec.block_size, self.device)
 
     def kv_cache_bytes(self) -> int:
         return kv_cache_bytes(self.kv_caches)
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence]) -> list[tuple[int, float]]:
-        """Feed each sequence's uncached tokens, sample one token per sequence: ``[(token, logprob)]``."""
-        new_tokens = [seq.new_token_ids() for seq in seqs]
-        query_lens = [len(t) for t in new_tokens]
-        meta = build_metadata(query_lens, [len(s) for s in seqs], [s.block_table for s in seqs],
-                              self.spec.block_size, self.device,
-                              positions=[p for s in seqs for p in self.positions(s)])
-        input_ids = torch.tensor([t for ts in new_tokens for t in ts], device=self.device)   # (T,)
-        hidden = self.model(input_ids, self.kv_caches, meta)                                  # (T, E)
-        last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1                     # (B,)
-        logits = self.model.compute_logits(hidden.index_select(0, last))                      # (B, V)
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    def step(self, seqs: list[Sequence]) -> list[tuple[int, float] | None]:
+        """Feed each sequence its ``num_scheduled_tokens`` next tokens; sample one token for each sequence
+        whose tokens are now all cached: ``[(token, logprob)]``, None for a prompt chunk that is not the last."""
+        meta = self.metadata.build(seqs, self.positions)
+        input_ids = torch.tensor([t for s in seqs for t in s.new_token_ids()], device=self.device)   # (T,)
+        hidden = self.model(input_ids, self.kv_caches, meta)                                           # (T, E)
         for seq in seqs:
-            seq.num_cached_tokens = len(seq)
-        return list(zip(tokens.tolist(), logprobs.tolist()))
+            seq.num_cached_tokens += seq.num_new_tokens
+            seq.num_scheduled_tokens = 0                # consumed: the next step is scheduled anew
+        done = [b for b, seq in enumerate(seqs) if seq.num_cached_tokens == len(seq)]
+        if not done:
+            return [None] * len(seqs)
+        last = torch.tensor([meta.query_start_loc[b + 1] - 1 for b in done], device=self.device)    # (S,)
+        logits = self.model.compute_logits(hidden.index_select(0, last))                              # (S, V)
+        tokens, logprobs = sample(logits, [seqs[b].params for b in done], [seqs[b].generator for b in done])
+        out: list[tuple[int, float] | None] = [None] * len(seqs)
+        for b, token, logprob in zip(done, tokens.tolist(), logprobs.tolist()):
+            out[b] = (token, logprob)
+        return out
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop what the metadata builder keeps for a finished sequence."""
+        self.metadata.forget(seq.seq_id)

@@ -1,12 +1,26 @@
-"""Continuous batching: which sequences run in the next step.
+"""Continuous batching with chunked prefill: which sequences run in the next step, and how many of
+their tokens.
 
-Every step, each running sequence decodes one token, and waiting prompts join as
-long as there are sequence slots, token budget and free blocks. Sequences that
-finish leave between steps, so a short request never waits for a long one. When
-the blocks run out, the most recently admitted running sequence is preempted: its
-blocks are freed and it goes back to the front of the queue, to be recomputed
-(prompt and generated tokens alike) when there is room again. Nothing is lost, and
+Every step has a budget of ``max_num_batched_tokens`` tokens, which bounds the activations of a
+forward pass. The running sequences come first, oldest first: each decodes one token, or, if it is
+still prefilling, takes the next chunk of its prompt (as much as the budget has left). Waiting
+prompts then join while there are sequence slots, budget and free blocks; a prompt longer than
+what is left of the budget starts with a chunk and continues in the next steps, alongside the
+decodes of the others (vLLM's default scheduling). Only the step that feeds a sequence's last
+uncached token samples a token for it.
+
+Sequences that finish leave between steps, so a short request never waits for a long one. When
+the blocks run out, the most recently admitted running sequence that is not in the middle of its
+prefill is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed (prompt and generated tokens alike) when there is room again. Nothing is lost, and
 greedy output is the same as without the preemption.
+
+Why not preempt a sequence mid-prefill: with prefix caching, the block manager registers a prompt's
+full blocks when it allocates them. A prompt whose chunks have all been scheduled has them all
+computed by the end of its last chunk's step (a layer writes a step's K/V before any sequence of the
+step reads them), and a waiting prompt joins only when every running prompt has been fully
+scheduled, so a prefix hit never reads a block that is not computed. Freeing a half-computed prompt's
+blocks would leave registered blocks that were never computed.
 """
 from collections import deque
 
@@ -28,34 +42,44 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Sequence]:
-        """The sequences of the next step: decodes of the running ones, then prefills of admitted ones."""
-        bm, scheduled = self.block_manager, []
+        """The sequences of the next step, each with ``num_scheduled_tokens`` set: the running ones
+        (a decode token, or a prompt's next chunk), then newly admitted prompts (whole, or a first chunk)."""
+        bm, scheduled, budget = self.block_manager, [], self.max_num_batched_tokens
         queue, self.running = self.running, []
         while queue:
             seq = queue.pop(0)
+            if budget == 0:                     # no tokens left this step: it keeps its blocks and waits
+                self.running.append(seq)
+                continue
             while not bm.can_append(seq):       # make room: preempt the newest, possibly seq itself
-                victim = queue.pop() if queue else seq
+                victim = next((s for s in reversed(queue) if not s.prefilling), seq)
+                if victim is not seq:
+                    queue.remove(victim)
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
                 bm.may_append(seq)
+                budget -= self._take(seq, budget)
                 self.running.append(seq)
                 scheduled.append(seq)
-        budget = self.max_num_batched_tokens - len(scheduled)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             num_cached_blocks = bm.can_allocate(seq)
             if num_cached_blocks is None:
                 break
-            # A prompt longer than the whole budget still runs when it is alone, so it cannot starve.
-            if len(seq) > budget and scheduled:
-                break
             bm.allocate(seq, num_cached_blocks)  # a cached prefix: fewer tokens to compute
-            budget -= len(seq) - seq.num_cached_tokens
+            seq.num_prefill_tokens = len(seq)
+            budget -= self._take(seq, budget)
             self.running.append(self.waiting.popleft())
             scheduled.append(seq)
         return scheduled
+
+    @staticmethod
+    def _take(seq: Sequence, budget: int) -> int:
+        """Schedule as many of ``seq``'s uncached tokens as the budget allows; how many."""
+        seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+        return seq.num_scheduled_tokens
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -63,5 +87,6 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)            # recompute later: its K/V are simply dropped
+        seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -14,6 +14,8 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None
     num_cached_tokens: int = 0           # tokens whose K/V are already in the cache
+    num_scheduled_tokens: int = 0        # tokens the scheduler gave the current step (0: not scheduled)
+    num_prefill_tokens: int = 0          # tokens it had when (re)admitted: its prefill ends when they are cached
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of its full blocks (prefix caching)
     logprobs: list[float] = field(default_factory=list)
@@ -30,9 +32,20 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def prefilling(self) -> bool:
+        """Still computing the tokens it was admitted with (a long prompt takes several steps)."""
+        return self.num_cached_tokens < self.num_prefill_tokens
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the current step feeds: ``num_scheduled_tokens`` when the scheduler has set it (a chunk),
+        else every uncached one."""
+        return self.num_scheduled_tokens or len(self) - self.num_cached_tokens
+
     def new_token_ids(self) -> list[int]:
-        """Tokens to run through the model this step: those not yet in the cache."""
-        return self.token_ids[self.num_cached_tokens:]
+        """Tokens to run through the model this step: the next ``num_new_tokens`` uncached ones."""
+        return self.token_ids[self.num_cached_tokens:self.num_cached_tokens + self.num_new_tokens]
 
     def append(self, token: int, logprob: float, eos_ids: frozenset[int], max_model_len: int) -> None:
         """Record a sampled token; mark the sequence finished when it should stop."""

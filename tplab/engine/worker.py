@@ -22,9 +22,11 @@ class Worker:
                 "elements_read": engine.load_report.elements_read,      # from the checkpoint files
                 "num_kv_blocks": engine.runner.num_blocks}
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[list[int], list[float], str]]:
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 use_tqdm: bool = False) -> list[tuple[list[int], list[float], str]]:
         """One generate call on this rank: ``[(output token ids, logprobs, finish reason)]``."""
-        return [(s.output_token_ids, s.logprobs, s.finish_reason) for s in self.engine.generate(prompts, params)]
+        seqs = self.engine.generate(prompts, params, use_tqdm)
+        return [(s.output_token_ids, s.logprobs, s.finish_reason) for s in seqs]
 
     def stats(self) -> dict:
         return self.engine.stats()

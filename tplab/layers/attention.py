@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tplab.layers.paged_decode import DecodeBlocks, decode_blocks, paged_decode
+
 
 @dataclass
 class AttentionMetadata:
@@ -38,6 +40,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor        # (N,) long: every sequence's key slots, packed; N = sum(seq_lens)
     kv_start_loc: list[int]       # B + 1 ints: where each sequence's keys start in kv_slots; the last is N
     visible: list[torch.Tensor]   # B bool masks (Lq, Lk): causal_visible(Lq, Lk), True = may attend
+    decode: DecodeBlocks | None = None  # the blocks of the sequences with one new token, for paged_decode
 
     @property
     def num_seqs(self) -> int:
@@ -112,7 +115,8 @@ def build_metadata(query_lens: list[int], context_lens: list[int], block_tables:
     return AttentionMetadata(
         positions=to(positions), slot_mapping=to(kv_slots[new_keys]), query_start_loc=q_start,
         seq_lens=list(context_lens), kv_slots=to(kv_slots), kv_start_loc=kv_start,
-        visible=[causal_visible(q, c, device) for q, c in zip(query_lens, context_lens)])
+        visible=[causal_visible(q, c, device) for q, c in zip(query_lens, context_lens)],
+        decode=decode_blocks(query_lens, context_lens, block_tables, block_size, device))
 
 
 def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
@@ -126,17 +130,38 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torc
 
     A decode step (``Lq = 1``: one query at the last position, every key visible) is two small
     matmuls, faster on CPU than SDPA's kernel; a prefill whose keys are all new (``Lq = Lk``)
-    uses SDPA's ``is_causal``, the same mask, which lets the kernel skip the hidden blocks.
+    uses SDPA's ``is_causal``, the same mask, which lets the kernel skip the hidden blocks; a chunk
+    after cached keys is split in two (``_cached_then_causal``) for the same reason.
     """
     h_kv, lk, d = k.shape
     if q.shape[1] == 1:
         qg = q.reshape(h_kv, -1, d)                                 # (H_kv, H/H_kv, D): one query per head
-        probs = torch.matmul(qg, k.transpose(1, 2)).mul_(scale).softmax(-1)   # (H_kv, H/H_kv, Lk)
-        return torch.matmul(probs, v).view(-1, 1, d)                # (H, 1, D)
+        scores = torch.baddbmm(qg.new_empty(()), qg, k.transpose(1, 2), beta=0, alpha=scale)  # (H_kv, H/H_kv, Lk)
+        return torch.bmm(scores.softmax(-1), v).view(-1, 1, d)     # (H, 1, D)
+    if q.shape[1] < lk and q.device.type == "cpu" and _FLASH_CPU is not None:
+        return _cached_then_causal(q, k, v, scale)
     causal = q.shape[1] == lk
     return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                           attn_mask=None if causal else visible, is_causal=causal,
                                           scale=scale, enable_gqa=True)[0]
+
+
+sdpa_attend.paged_decode = paged_decode   # lets Attention attend every decode token of a step at once
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _cached_then_causal(q, k, v, scale):
+    """A chunk after ``P = Lk - Lq`` cached keys: every query sees all of them, and the chunk's own
+    keys causally. One masked SDPA would compute every (query, key) pair of the chunk's square; two
+    flash-attention calls (the cached keys unmasked, the chunk's own ``is_causal``) skip its hidden
+    half, and their outputs merge exactly by their log-sum-exps: ``o = sum_i o_i exp(lse_i - lse)``."""
+    p = k.shape[1] - q.shape[1]
+    q4 = q.unsqueeze(0)                                              # (1, H, Lq, D)
+    o1, lse1 = _FLASH_CPU(q4, k[None, :, :p], v[None, :, :p], 0.0, False, scale=scale)   # lse (1, H, Lq)
+    o2, lse2 = _FLASH_CPU(q4, k[None, :, p:], v[None, :, p:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse1, lse2)
+    out = o1.float() * (lse1 - lse).exp().unsqueeze(-1) + o2.float() * (lse2 - lse).exp().unsqueeze(-1)
+    return out[0].to(q.dtype)                                        # (H, Lq, D)
 
 
 class Attention(nn.Module):
@@ -145,7 +170,10 @@ class Attention(nn.Module):
 
     ``Attention(num_heads, num_kv_heads, head_dim, attend=sdpa_attend)``: this rank's H query heads
     and H_kv KV heads (``H`` a multiple of ``H_kv``), each of ``head_dim`` D; ``attend`` is
-    ``Parts.attend``, called once per sequence per step (see ``sdpa_attend`` for its contract).
+    ``Parts.attend``, called once per sequence per step (see ``sdpa_attend`` for its contract), except
+    that an ``attend`` with a ``paged_decode`` attribute (tplab's own) gets the decode tokens of all
+    sequences at once (``tplab.layers.paged_decode``, from ``meta.decode``): the same maths in a dozen
+    ops per layer instead of a few per sequence. A replacement ``attend`` sees every sequence.
 
     ``forward(q, k, v, kv_cache, meta)``:
       - q ``(T, H, D)``, k and v ``(T, H_kv, D)``: the step's new tokens, RoPE already applied;
@@ -176,15 +204,20 @@ class Attention(nn.Module):
         k_cache, v_cache = (c.flatten(0, 1) for c in kv_cache)      # (num_slots, H_kv, D) views
         k_cache.index_copy_(0, meta.slot_mapping, k)                # store the KV heads, not repeated ones
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        # one gather of exactly the keys the step's sequences use; index_select has no per-call
-        # overhead of advanced indexing
-        keys = k_cache.index_select(0, meta.kv_slots).transpose(0, 1)      # (H_kv, N, D)
-        values = v_cache.index_select(0, meta.kv_slots).transpose(0, 1)
-        out = torch.empty_like(q)                                          # (T, H, D)
-        qs, ks = meta.query_start_loc, meta.kv_start_loc
+        out = torch.empty_like(q)                                   # (T, H, D)
+        batched = getattr(self.attend, "paged_decode", None) if meta.decode is not None else None
+        if batched is not None:                                     # tplab's attend: all decodes at once
+            rows = meta.decode.token_index                          # (Bd,)
+            out.index_copy_(0, rows, batched(q.index_select(0, rows), *kv_cache, meta.decode, self.scale))
+        skip = set(meta.decode.seqs) if batched is not None else ()
+        qs = meta.query_start_loc
         for b in range(meta.num_seqs):
-            o = self.attend(q[qs[b]:qs[b + 1]].transpose(0, 1),                   # (H, Lq, D)
-                            keys[:, ks[b]:ks[b + 1]], values[:, ks[b]:ks[b + 1]],  # (H_kv, Lk, D)
+            if b in skip:
+                continue
+            slots = meta.seq_kv_slots(b)                            # (Lk,) exactly this sequence's keys
+            o = self.attend(q[qs[b]:qs[b + 1]].transpose(0, 1),                    # (H, Lq, D)
+                            k_cache.index_select(0, slots).transpose(0, 1),        # (H_kv, Lk, D)
+                            v_cache.index_select(0, slots).transpose(0, 1),
                             meta.visible[b], self.scale)                           # -> (H, Lq, D)
             out[qs[b]:qs[b + 1]] = o.transpose(0, 1)
-        return out.flatten(1)                                              # (T, H * D)
+        return out.flatten(1)                                       # (T, H * D)

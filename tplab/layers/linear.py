@@ -30,12 +30,47 @@ def _onednn_works() -> bool:
 _ONEDNN = _onednn_works()
 
 
+def _packed_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (bf16) reordered once into oneDNN's blocked layout, kept on the tensor and made again
+    if the weight is written after (its storage or version changes).
+
+    Why: for the few rows of a decode step, oneDNN's bf16 inner product on a plain row-major weight
+    reorders it on every call and streams it no faster than fp32, so bf16 would save no time; on a
+    weight packed once it streams half the bytes of fp32 at about the same rate (bench/peers.py).
+    The packed copy is extra memory (a bf16 model then holds about what an fp32 one does), and the
+    plain weight stays for everything else (the tied embedding lookup, the weight loaders, tests)."""
+    key = (weight.data_ptr(), weight._version)
+    cached = getattr(weight, "_tplab_packed", None)
+    if cached is None or cached[0] != key:
+        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        weight._tplab_packed = cached
+    return cached[1]
+
+
+def _bf16_packing_works() -> bool:
+    if not _ONEDNN or os.environ.get("TPLAB_BF16_PACK", "1") == "0":
+        return False
+    try:
+        x, w = torch.ones(2, 32, dtype=torch.bfloat16), torch.ones(8, 32, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_BF16_PACK = _bf16_packing_works()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``. On CPU through oneDNN's inner product: torch's default CPU path
     (MKL) streams fp32 weights at about half the memory bandwidth for the few rows of a decode
     step, and decode is nothing but streaming weights (bench/ measures it; ``TPLAB_ONEDNN=0``
-    switches back to ``F.linear``). Same maths; the summation order differs at the 1e-7 level."""
+    switches back to ``F.linear``). Same maths; the summation order differs at the 1e-7 level.
+    A bf16 weight is used in oneDNN's packed layout (``_packed_bf16``; ``TPLAB_BF16_PACK=0`` turns
+    that off), so bf16 decode reads half the bytes of fp32 at the same rate: about 1.7x the speed."""
     if _ONEDNN and x.device.type == "cpu":
+        if _BF16_PACK and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
+            weight = _packed_bf16(weight)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

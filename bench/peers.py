@@ -1,0 +1,288 @@
+"""tplab against the engines a user would pick instead, in one run: vLLM's CPU build, CTranslate2 and
+Hugging Face, on a random checkpoint of Qwen2.5-0.5B's exact shape, greedy, with tokens checked equal.
+
+    .venv/bin/python bench/peers.py --setup     # once: vLLM CPU and CTranslate2, each in bench/.peers/<name>
+    .venv/bin/python bench/peers.py             # the table (~30 min on 2 shared cores); bench/results.json
+    .venv/bin/python bench/peers.py --quick     # a 2-layer model, few tokens: checks that it all works
+    .venv/bin/python bench/peers.py --only decode,bf16
+
+Rows (ratio = tplab / peer, measured side by side: rounds alternate tplab and the peer, order reversed
+every other round, and the ratio is the median of per-round ratios, because this machine's load moves):
+  decode     batch 1, TP 1, fp32: tplab vs CTranslate2, and vs vLLM CPU; rate = (n - 1) / (t[n] - t[1])
+  batch16    16 concurrent requests of different lengths, TP 1 and TP 2: tplab vs vLLM CPU, tok/s of the call
+  prefill    8192- and 2048-token prompts: tplab generate(max_tokens=1) vs HF's forward; the 8192 row runs
+             each engine once in a fresh process and also gives its peak RSS (VmHWM: load + prefill)
+  bf16       batch 1 decode in bf16: tplab vs HF bf16 generate, and vs tplab's own fp32 (target >= 1.6)
+Not part of CI: the peers need their own environments, and the numbers need an idle machine to mean much.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+from common import (QWEN25_05B, Row, checkpoint, log, machine_info, median, paired, print_table,  # noqa: E402
+                    prompt_ids, rows_to_json)
+from peer_setup import PEERS_DIR, python_of, setup  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+# --quick: Qwen2.5-0.5B's heads (head_dim 64: vLLM's CPU attention needs it), 2 layers, a small vocabulary
+PEERS_QUICK = dict(QWEN25_05B, num_hidden_layers=2, intermediate_size=1216, vocab_size=16384,
+                   max_position_embeddings=4096)
+FULL = dict(decode_prompt=32, decode_new=64, reps=3, batch_new=64, batch_reps=2, prefill_lens=(8192, 2048))
+QUICK = dict(decode_prompt=16, decode_new=16, reps=2, batch_new=16, batch_reps=2, prefill_lens=(2048, 512))
+
+
+class Peer:
+    """A peer engine in its own process and venv (bench/peer_worker.py), kept loaded between calls."""
+
+    def __init__(self, kind: str, ckpt, **opts):
+        py = python_of(kind)
+        if not py.exists():
+            raise FileNotFoundError(f"{py} is missing: run `python bench/peers.py --setup` first")
+        log(f"[peers] starting {kind} {opts}")
+        self.proc = subprocess.Popen([str(py), str(BENCH / "peer_worker.py"), kind, str(ckpt), json.dumps(opts)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._read()
+        self.pause()
+
+    def _tree(self):
+        import psutil
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def pause(self):
+        """SIGSTOP the peer and the processes it spawned while tplab runs: an idle vLLM keeps polling
+        its queues on the same two cores (measured: tplab's decode ran ~5x slower beside it)."""
+        for p in self._tree():
+            p.suspend()
+
+    def resume(self):
+        for p in self._tree():
+            p.resume()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("@@PEER "):
+                return json.loads(line[len("@@PEER "):])
+        raise RuntimeError(f"the peer exited with {self.proc.wait()} (its log is above)")
+
+    def generate(self, prompts, n) -> tuple[float, list]:
+        self.resume()
+        try:
+            self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": n}) + "\n")
+            out = self._read()
+        finally:
+            self.pause()
+        return out["seconds"], out["tokens"]
+
+    def close(self):
+        try:
+            self.resume()
+            self.proc.stdin.write("\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except Exception:  # noqa: BLE001 - a peer that will not stop is killed
+            self.proc.kill()
+
+
+def tplab_gen(llm):
+    from tplab import SamplingParams
+
+    def generate(prompts, n):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0, [o.token_ids for o in outs]
+    return generate
+
+
+def hf_gen(model):
+    def generate(prompts, n):
+        (prompt,) = prompts
+        ids = torch.tensor([prompt])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+        return time.perf_counter() - t0, [out[0, len(prompt):].tolist()]
+    return generate
+
+
+def rounds(engines: dict, prompts, n, reps, decode_rate: bool):
+    """Per round, every engine's rate on ``prompts`` (order reversed every other round); and its tokens."""
+    rates, tokens = {k: [] for k in engines}, {}
+    names = list(engines)
+    for e in names:                                             # warm-up
+        engines[e](prompts, 2)
+    for r in range(reps):
+        for e in (names if r % 2 == 0 else names[::-1]):
+            t_full, tokens[e] = engines[e](prompts, n)
+            if decode_rate:
+                t_one, _ = engines[e](prompts, 1)
+                rates[e].append((n - 1) / (t_full - t_one))
+            else:
+                rates[e].append(len(prompts) * n / t_full)
+    log(f"[peers] per-round tok/s: {({k: [round(x, 2) for x in v] for k, v in rates.items()})}")
+    return rates, tokens
+
+
+def row(name, rates, tokens, ours, peer, peer_name, target=">= 1.0", note=""):
+    same = tokens[ours] == tokens[peer]
+    return Row(name, median(rates[ours]), median(rates[peer]), "tok/s", peer_name,
+               ratio=paired(rates[ours], rates[peer]), target=target,
+               note=f"greedy tokens {'equal' if same else 'DIFFER'}; per-round tplab "
+                    f"{[round(x, 2) for x in rates[ours]]} vs {[round(x, 2) for x in rates[peer]]}. {note}",
+               extra={"tokens_equal": same})
+
+
+def batch_prompts(quick: bool) -> list[list[int]]:
+    """16 prompts of different lengths (16 to 256 tokens; 8 to 68 with --quick)."""
+    step = 4 if quick else 16
+    return [prompt_ids(step * (1 + i) + (i % 3) * 5, seed=200 + i) for i in range(16)]
+
+
+def run_decode(ckpt, cfg, quick):
+    from tplab import LLM
+    prompt, n = [prompt_ids(cfg["decode_prompt"])], cfg["decode_new"]
+    rows = []
+    with LLM(ckpt, dtype="float32", kv_cache_memory=256 << 20) as llm:
+        for kind, name in (("ct2", "CTranslate2"), ("vllm", "vLLM CPU")):
+            peer = Peer(kind, ckpt, threads=2, max_model_len=4096)
+            try:
+                rates, tokens = rounds({"tplab": tplab_gen(llm), kind: peer.generate}, prompt, n, cfg["reps"], True)
+            finally:
+                peer.close()
+            rows.append(row(f"decode, batch 1, TP 1 vs {name}", rates, tokens, "tplab", kind, name,
+                            note=f"prompt {len(prompt[0])}, {n} new"))
+    return rows
+
+
+def run_batch16(ckpt, cfg, quick):
+    from tplab import LLM
+    prompts, n, rows = batch_prompts(quick), cfg["batch_new"], []
+    for tp in (1, 2):
+        with LLM(ckpt, tensor_parallel_size=tp, dtype="float32", kv_cache_memory=512 << 20) as llm:
+            peer = Peer("vllm", ckpt, tp=tp, max_model_len=4096)
+            try:
+                rates, tokens = rounds({"tplab": tplab_gen(llm), "vllm": peer.generate}, prompts, n,
+                                       cfg["batch_reps"], False)
+            finally:
+                peer.close()
+        rows.append(row(f"16 concurrent requests, TP {tp}", rates, tokens, "tplab", "vllm", f"vLLM CPU TP {tp}",
+                        note=f"prompts of {len(prompts[0])}-{len(prompts[-1])} tokens, {n} new each"))
+    return rows
+
+
+def child_prefill(engine: str, ckpt: str, length: int) -> dict:
+    """In a fresh process: load ``engine``, prefill a ``length``-token prompt once; seconds, token, VmHWM."""
+    prompt = prompt_ids(length, seed=2)
+    torch.set_num_threads(2)
+    if engine == "hf":
+        from decode import load_hf
+        from prefill import hf_prefill
+        model = load_hf(ckpt)
+        hf_prefill(model, prompt[:32])
+    else:
+        from tplab import LLM
+        llm = LLM(ckpt, dtype="float32", num_kv_blocks=-(-(length + 64) // 16))   # the cache this prompt needs
+        tplab_gen(llm)([prompt[:32]], 1)
+    load_hwm = next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
+                    if l.startswith("VmHWM"))
+    Path("/proc/self/clear_refs").write_text("5")               # restart VmHWM: the prefill's own peak next
+    if engine == "hf":
+        t0 = time.perf_counter()
+        token = hf_prefill(model, prompt)
+    else:
+        t0 = time.perf_counter()
+        token = tplab_gen(llm)([prompt], 1)[1][0][0]
+    seconds = time.perf_counter() - t0
+    status = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
+              if l.startswith(("VmHWM", "VmRSS"))}
+    return {"seconds": seconds, "token": token, "peak_rss": status["VmHWM"], "load_hwm": load_hwm}
+
+
+def run_prefill(ckpt, cfg, quick):
+    rows = []
+    for i, length in enumerate(cfg["prefill_lens"]):
+        reps = 1 if i == 0 else cfg["reps"]                     # the long one once: a minute or more each
+        rates, tokens, rss, load = {"tplab": [], "hf": []}, {}, {}, {}
+        for r in range(reps):
+            for e in (("tplab", "hf") if r % 2 == 0 else ("hf", "tplab")):
+                out = subprocess.run([sys.executable, __file__, "--child-prefill", e, str(ckpt), str(length)],
+                                     check=True, capture_output=True, text=True)
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                rates[e].append(length / res["seconds"])
+                tokens[e], rss[e], load[e] = res["token"], res["peak_rss"], res["load_hwm"]
+        gib = 1 << 30
+        rows.append(row(f"prefill, {length}-token prompt", rates, tokens, "tplab", "hf", "HF forward",
+                        note=f"fresh process each; peak RSS during the prefill (VmHWM restarted after loading) "
+                             f"tplab {rss['tplab'] / gib:.2f} GiB, HF {rss['hf'] / gib:.2f} GiB; while loading tplab "
+                             f"{load['tplab'] / gib:.2f} GiB, HF {load['hf'] / gib:.2f} GiB (file pages of the "
+                             "mapped checkpoint included)"))
+        rows[-1].extra.update(peak_rss=rss, load_peak_rss=load)
+    return rows
+
+
+def run_bf16(ckpt, cfg, quick):
+    from tplab import LLM
+    from transformers import Qwen2ForCausalLM
+    prompt, n = [prompt_ids(cfg["decode_prompt"])], cfg["decode_new"]
+    hf = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    with LLM(ckpt, dtype="bfloat16", kv_cache_memory=256 << 20) as bf16, \
+            LLM(ckpt, dtype="float32", kv_cache_memory=256 << 20) as fp32:
+        rates, tokens = rounds({"tplab": tplab_gen(bf16), "hf": hf_gen(hf), "fp32": tplab_gen(fp32)}, prompt, n,
+                               cfg["reps"], True)
+    agree = lambda a, b: sum(x == y for x, y in zip(tokens[a][0], tokens[b][0])) / n
+    return [row("decode, batch 1, bf16 vs HF bf16", rates, tokens, "tplab", "hf", "HF bf16",
+                note=f"greedy token agreement: tplab bf16 with HF bf16 {agree('tplab', 'hf'):.0%}; for scale, "
+                     f"HF bf16 with fp32 {agree('hf', 'fp32'):.0%}, tplab bf16 with fp32 {agree('tplab', 'fp32'):.0%}"),
+            Row("decode, batch 1, tplab bf16 vs tplab fp32", median(rates["tplab"]), median(rates["fp32"]), "tok/s",
+                "tplab fp32", ratio=paired(rates["tplab"], rates["fp32"]), target=">= 1.6",
+                note="bf16 reads half the weight bytes")]
+
+
+ITEMS = {"decode": run_decode, "batch16": run_batch16, "prefill": run_prefill, "bf16": run_bf16}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setup", action="store_true", help=f"install the peers into {PEERS_DIR} and stop")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default=",".join(ITEMS))
+    ap.add_argument("--child-prefill", nargs=3, metavar=("ENGINE", "CKPT", "LEN"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child_prefill:
+        e, ckpt, length = args.child_prefill
+        print(json.dumps(child_prefill(e, ckpt, int(length))))
+        return
+    if args.setup:
+        setup()
+        return
+    torch.set_num_threads(2)
+    settings = common.Settings.make(args.quick, 2)
+    settings.name, settings.shape = ("peers-quick", PEERS_QUICK) if args.quick else (settings.name, settings.shape)
+    cfg = QUICK if args.quick else FULL
+    ckpt, machine, rows, t0 = checkpoint(settings), machine_info(), [], time.perf_counter()
+    for item in args.only.split(","):
+        log(f"[peers] {item}")
+        rows += ITEMS[item](ckpt, cfg, args.quick)
+    print(f"\n# tplab vs peers: {settings.name}, greedy; {machine['cpu_model']}, {machine['cores']} cores\n")
+    print_table(rows)
+    out = BENCH / ("results-peers-quick.json" if args.quick else "results.json")
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    kept = [r for r in doc.get("peers", {}).get("rows", []) if r["name"] not in {x.name for x in rows}]
+    doc["peers"] = {"machine": machine, "settings": cfg, "checkpoint": str(ckpt), "rows": kept + rows_to_json(rows),
+                    "seconds": time.perf_counter() - t0, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "command": "python bench/peers.py" + (" --quick" if args.quick else "")}
+    out.write_text(json.dumps(doc, indent=2, default=str))
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":  # vLLM's offline LLM spawns processes: keep this module import-safe
+    main()

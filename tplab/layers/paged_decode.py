@@ -1,0 +1,69 @@
+"""The decode tokens of a step, attended together block by block: paged attention for decode.
+
+A decode step has one query per sequence and sequences of any lengths. Attending them one by one
+costs a few small ops per sequence and layer; padding them to the longest would read (and compute)
+what no sequence holds. Here the step gathers exactly the KV blocks its decode sequences hold, scores
+every query against the blocks of its own sequence only (one batched matmul: a block's slots against
+its sequence's query), hides the unused slots of each sequence's last block, and does the softmax per
+sequence over its blocks with segment reductions (max, then sum), as a paged-attention kernel does.
+A dozen ops per layer, whatever the number of sequences, and exact: the same softmax, summed in
+another order.
+
+Shapes: Bd decode sequences, nb blocks they hold in all, bs block_size, H / H_kv heads, G = H / H_kv
+query heads per KV head, D head_dim.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DecodeBlocks:
+    """Which KV blocks the decode sequences (query length 1) of a step hold. Built once per step."""
+    seqs: list[int]               # Bd ints: index b of each decode sequence in the step
+    token_index: torch.Tensor     # (Bd,) long: its token's row in the step's T tokens
+    blocks: torch.Tensor          # (nb,) long: each decode sequence's blocks in order, one sequence after another
+    block_seq: torch.Tensor       # (nb,) long: which decode sequence (0 .. Bd-1) each block belongs to
+    num_blocks: torch.Tensor      # (Bd,) long: blocks per decode sequence
+    hidden: torch.Tensor          # (nb, 1, 1, bs) bool: slots past the end of their sequence
+
+
+def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                  block_size: int, device) -> DecodeBlocks | None:
+    """The ``DecodeBlocks`` of the sequences with one new token, or None when there is none."""
+    seqs = [b for b, q in enumerate(query_lens) if q == 1]
+    if not seqs:
+        return None
+    blocks, counts, filled, token_index, start = [], [], [], [], 0
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    for b in seqs:
+        n = -(-context_lens[b] // block_size)                     # blocks holding its keys
+        blocks += block_tables[b][:n]
+        counts.append(n)
+        filled += [block_size] * (n - 1) + [context_lens[b] - (n - 1) * block_size]
+        token_index.append(starts[b])
+    tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
+    hidden = torch.arange(block_size, device=device) >= tensor(filled)[:, None]          # (nb, bs)
+    return DecodeBlocks(seqs, tensor(token_index), tensor(blocks),
+                        torch.repeat_interleave(torch.arange(len(seqs), device=device), tensor(counts)),
+                        tensor(counts), hidden[:, None, None, :])
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBlocks,
+                 scale: float) -> torch.Tensor:
+    """q ``(Bd, H, D)``, one query per decode sequence; caches ``(num_blocks, bs, H_kv, D)`` -> ``(Bd, H, D)``."""
+    bd, h, d = q.shape
+    h_kv = k_cache.shape[2]
+    dtype = torch.float32                                          # scores and softmax in fp32, also for bf16
+    kb = k_cache.index_select(0, dec.blocks).to(dtype)             # (nb, bs, H_kv, D): only the blocks used
+    vb = v_cache.index_select(0, dec.blocks).to(dtype)
+    qb = (q.to(dtype) * scale).index_select(0, dec.block_seq).view(-1, h_kv, h // h_kv, d)   # (nb, H_kv, G, D)
+    s = torch.matmul(qb, kb.permute(0, 2, 3, 1)).masked_fill_(dec.hidden, float("-inf"))  # (nb, H_kv, G, bs)
+    m = torch.segment_reduce(s.amax(-1), "max", lengths=dec.num_blocks)                   # (Bd, H_kv, G)
+    p = (s - m.index_select(0, dec.block_seq).unsqueeze(-1)).exp_()                       # (nb, H_kv, G, bs)
+    den = torch.segment_reduce(p.sum(-1), "sum", lengths=dec.num_blocks)                  # (Bd, H_kv, G)
+    o = torch.matmul(p, vb.permute(0, 2, 1, 3))                                           # (nb, H_kv, G, D)
+    o = torch.segment_reduce(o, "sum", lengths=dec.num_blocks)                            # (Bd, H_kv, G, D)
+    return (o / den.unsqueeze(-1)).view(bd, h, d).to(q.dtype)
