@@ -1,5 +1,6 @@
 """check_part: learners' layers written from scratch pass it; each usual mistake is rejected with its
 diagnosis; a stub is "not attempted"; a part that raises or hangs in a rank ends in a clear error."""
+import re
 import sys
 
 import cloudpickle
@@ -115,7 +116,8 @@ class ModuloKV(QKV):
 
 def test_qkv_without_kv_replication_fails_with_the_rank_and_line():
     result = check_part("qkv_linear", NotReplicated, tensor_parallel_size=4)
-    assert result.ok is False and "rank 2 raised" in result.message and "cannot take" in result.message, result.message
+    assert result.ok is False and re.search("rank [23] raised", result.message) and "cannot take" in result.message, \
+        result.message                                              # ranks 2 and 3 both ask for a third KV head
     assert "line" in result.message
 
 
