@@ -54,3 +54,12 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
                              min_new_tokens=max_new_tokens)[0, len(prompt):].tolist()
         logprobs = model(torch.tensor([prompt + out])).logits[0].float().log_softmax(-1)
     return out, [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_kept_ranks_after_a_module():
+    """``check_part`` keeps gloo ranks warm between checks; a test module leaves none behind for the next
+    (whose process and shared-memory counts would include them)."""
+    yield
+    from tplab.teaching.exercises.in_engine import close_kept_ranks
+    close_kept_ranks()

@@ -124,7 +124,8 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torc
     """``softmax(q k^T * scale, hidden where not visible) v`` for one sequence, with GQA.
 
     q ``(H, Lq, D)``; k, v ``(H_kv, Lk, D)``: query heads ``g * H/H_kv .. (g+1) * H/H_kv - 1``
-    share KV head g; visible ``(Lq, Lk)`` bool, ``causal_visible(Lq, Lk)``. Returns ``(H, Lq, D)``.
+    share KV head g; visible ``(Lq, Lk)`` bool, ``causal_visible(Lq, Lk)``: the kernels below rely on
+    that causal shape, so an ``attend`` with another mask must not hand it here. Returns ``(H, Lq, D)``.
     The caller never copies the KV heads to H (SDPA's math backend still repeats them internally;
     the cache never holds the repeats). May be called with views (any strides).
 

@@ -37,9 +37,11 @@ def no_mask_with_cache_attend(q, k, v, visible, scale):
     also attends to the new tokens after it.
     """
     lq, lk = visible.shape
-    if lq < lk:                                                     # keys cached before this step
-        visible = torch.ones_like(visible)                          # "kv_cache is not None": no mask
-    return sdpa_attend(q, k, v, visible, scale)
+    if lq == lk:                                                    # nothing cached: the causal mask
+        return sdpa_attend(q, k, v, visible, scale)
+    # "kv_cache is not None": no mask at all. (Not sdpa_attend: it relies on the mask being causal.)
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                          scale=scale, enable_gqa=True)[0]     # (H, Lq, D)
 
 
 class RepeatedKVAttention(Attention):

@@ -83,6 +83,12 @@ def kept_ranks(tp: int, timeout: float) -> RankGroup:
     return group
 
 
+def close_kept_ranks() -> None:
+    """End the kept ranks now (a test module's teardown; a notebook lets them end with its kernel)."""
+    while _groups:
+        _groups.popitem()[1].close()
+
+
 def serve(group, parts, tp, timeout) -> tuple[list, list[list[int]], dict]:
     """Greedy tokens through one engine of ``parts`` in ``group``: the prompts, or with a block manager part
     the workload (shared prefixes, a cache too small for all); and the HF tokens to compare with, the stats."""
