@@ -57,16 +57,13 @@ case "$cmd" in
             ${root[@]+"${root[@]}"} "$@" ;;
   test)   setup
           nbval=(--nbval-lax --nbval-sanitize-with nbval_sanitize.cfg --nbval-cell-timeout 300)
-          for arg in "$@"; do    # a path given: run just that (no solution-mode pass)
+          for arg in "$@"; do    # a path given: run just that
             [ -e "${arg%%::*}" ] && exec "$VENV/bin/python" -m pytest "${nbval[@]}" "$@"
           done
           compgen -G "notebooks/*.ipynb" >/dev/null || exec "$VENV/bin/python" -m pytest tests "$@"
-          rc=0
-          "$VENV/bin/python" -m pytest "${nbval[@]}" tests notebooks "$@" || rc=$?
-          # The notebooks again with every exercise filled by its reference solution (docs/workshop.md).
-          echo "workbook: the notebooks again in solution mode (TPLAB_SOLUTIONS=1)"
-          TPLAB_SOLUTIONS=1 "$VENV/bin/python" -m pytest "${nbval[@]}" notebooks "$@" || rc=$?
-          exit $rc ;;
+          # nbval runs the notebooks as committed (the exercises' stubs); tests/test_notebooks_rerun.py runs
+          # them twice in one kernel in solution mode, every exercise filled by its reference solution.
+          exec "$VENV/bin/python" -m pytest "${nbval[@]}" tests notebooks "$@" ;;
   test-browser)
           setup; browser_deps
           exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout 600 -v tests/browser/lab_in_chromium.py "$@" ;;

@@ -202,7 +202,7 @@ def test_a_part_that_raises_in_a_rank_names_the_rank_and_line_and_the_next_call_
 
 
 def test_a_part_that_hangs_is_stopped_at_the_timeout():
-    result = check_part("row_linear", HangsOnRank0, timeout=20)
+    result = check_part("row_linear", HangsOnRank0, timeout=12)
     assert result.ok is False and "did not finish in time" in result.message, result.message
 
 

@@ -123,5 +123,5 @@ def test_sends_and_recvs_that_never_pair_up_time_out_with_a_hint():
         dist.isend(x.contiguous(), (rank + 1) % world)
         dist.recv(incoming, (rank + 1) % world)
         return x + incoming
-    result = nb00.check_ring_all_reduce(both_right, world_sizes=WORLD3, timeout=20)
+    result = nb00.check_ring_all_reduce(both_right, world_sizes=WORLD3, timeout=10)
     assert result.ok is False and "never comes" in result.message
