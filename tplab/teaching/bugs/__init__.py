@@ -19,16 +19,20 @@ from tplab.teaching.bugs.sharding import (Dim1MergedColumnParallelLinear, Dim1QK
 
 # name -> {field of tplab.Parts: replacement}
 _BUGS = {
+    # attention: the causal mask, what the cache holds (notebooks 01, 04, 05)
     "mask_mul_inf": {"attend": mask_mul_inf_attend},
     "no_mask_with_cache": {"attend": no_mask_with_cache_attend},
+    "kv_cache_repeated": {"attention": RepeatedKVAttention},
+    # RoPE and positions (notebooks 03, 04)
     "no_rope": {"apply_rope": no_rope_apply},
     "rope_layout": {"apply_rope": rope_layout_apply},
     "rope_cos_sin_axis": {"apply_rope": rope_cos_sin_axis_apply},
     "rope_swallowed": {"apply_rope": rope_swallowed_apply},
+    "decode_position_offby1": {"positions": offby1_token_positions},
+    # sharding (notebook 02)
     "shard_dim1": {"qkv_linear": Dim1QKVParallelLinear, "gate_up_linear": Dim1MergedColumnParallelLinear},
     "qkv_presized": {"qkv_linear": PresizedQKVParallelLinear},
-    "kv_cache_repeated": {"attention": RepeatedKVAttention},
-    "decode_position_offby1": {"positions": offby1_token_positions},
+    # loading and the LM head (notebook 06)
     "lm_head_missing": {"lm_head": UnloadedLMHead},
     "lm_head_random": {"lm_head": RandomLMHead},
     "full_load_per_rank": {"load_weights": full_load_per_rank_load},
