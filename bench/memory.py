@@ -139,7 +139,7 @@ def run(ckpt, s: Settings) -> list[Row]:
     if has_bug:
         rows.append(Row(f"peak anon RSS per rank, TP2 vs TP2 {FULL_LOAD_BUG}", worst("tp2", "RssAnon"),
                         worst("tp2_full_load", "RssAnon"), "MiB", f"bugs=[{FULL_LOAD_BUG!r}]", target="<= 0.6",
-                        note=f"the seeds' every-rank-loads-everything loader: ranks {per_rank('tp2_full_load')} MiB, "
+                        note=f"the student's every-rank-loads-everything loader: ranks {per_rank('tp2_full_load')} MiB, "
                              f"growth {grown('tp2_full_load'):.0f} MiB, VmHWM {worst('tp2_full_load', 'VmHWM'):.0f} MiB; "
                              f"elements read per rank {[r['elements_read'] for r in results['tp2_full_load']]} "
                              f"(params per rank {tp2[0]['param_bytes'] // 4}). safetensors.torch.load_file maps the "

@@ -34,7 +34,7 @@ def test_check_causal_mask_rejects_the_inverted_mask():
     assert result.ok is False and "inverted" in result.message
 
 
-def test_check_causal_mask_rejects_the_float_mask_of_the_seeds():
+def test_check_causal_mask_rejects_the_students_float_mask():
     result = nb01.check_causal_mask(lambda q, k: torch.triu(torch.ones(q, k), 1) * float("-inf"))
     assert result.ok is False and "0 * -inf = NaN" in result.message
 

@@ -34,7 +34,7 @@ def test_check_shard_rejects_swapped_dimensions():
     assert result.ok is False and "nn.Linear.weight is (out_features, in_features)" in result.message
 
 
-def test_check_shard_rejects_the_seeds_dim1_narrow_reshaped_into_rows():
+def test_check_shard_rejects_the_students_dim1_narrow_reshaped_into_rows():
     def dim1(weight, rank, tp, kind):
         if kind == "row":
             return SOLUTION(weight, rank, tp, kind)

@@ -51,7 +51,7 @@ def test_greedy_text_is_fluent_story_english():
 
 
 @pytest.mark.parametrize("bug", ["mask_mul_inf", "lm_head_missing"])
-def test_the_seeds_bugs_visibly_break_it(bug):
+def test_the_students_bugs_visibly_break_it(bug):
     with LLM(models.tiny_stories(), bugs=[bug]) as llm:
         out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=30))[0]
     assert len(set(out.token_ids)) <= 2, f"{bug} should collapse the output, got {out.text!r}"

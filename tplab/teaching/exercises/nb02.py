@@ -43,9 +43,9 @@ def _diagnose(mine: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor, rank:
     if tuple(mine.shape) != tuple(ref.shape):
         return f"{where}: shape {tuple(mine.shape)}, tplab's layer holds {tuple(ref.shape)}"
     if kind == "column":
-        cols = weight.shape[1] // tp                     # the seeds' loader: narrow dim 1, reshape to fit
+        cols = weight.shape[1] // tp                     # the student's loader: narrow dim 1, reshape to fit
         if torch.equal(mine, weight.narrow(1, rank * cols, cols).reshape(ref.shape)):
-            return (f"{where}: input columns reshaped into the shard's rows (the seeds' shard_dim1 bug): "
+            return (f"{where}: input columns reshaped into the shard's rows (the student's shard_dim1 bug): "
                     "the shape fits, the numbers belong to other outputs; narrow dim 0")
     i, j = (int(x) for x in (mine != ref).nonzero()[0])
     return (f"{where}: entry ({i}, {j}) is {float(mine[i, j]):.2f}, expected {float(ref[i, j]):.2f} "
