@@ -30,7 +30,8 @@ def vllm_engine(ckpt: str, opts: dict):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.get("kv_gib", 2)))
     from vllm import LLM, SamplingParams
     llm = LLM(model=ckpt, tensor_parallel_size=tp, dtype=opts.get("dtype", "float32"), skip_tokenizer_init=True,
-              max_model_len=opts.get("max_model_len", 4096), seed=0, max_num_seqs=opts.get("max_num_seqs", 16))
+              max_model_len=opts.get("max_model_len", 4096), seed=0, max_num_seqs=opts.get("max_num_seqs", 16),
+              enable_prefix_caching=opts.get("enable_prefix_caching", False))
 
     def generate(prompts, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,

@@ -48,7 +48,7 @@ class LLM:
     def __init__(self, model, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0,
                  bugs=(), parts=None, backend: str | None = None, timeout: float = 600.0,
                  device: str | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int = 4096,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = False, check_finite: bool = False):
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")

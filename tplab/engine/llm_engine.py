@@ -10,13 +10,15 @@ import torch.distributed as dist
 
 from tplab.distributed.parallel_state import init_tp_comm, tp_rank_and_size
 from tplab.engine.checks import install_finite_check
-from tplab.engine.config import EngineConfig
+from tplab.engine.config import EngineConfig, default_batched_tokens
+from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import KVCacheSpec, ModelRunner
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
 from tplab.models.loader import LoadReport
 from tplab.layers.attention import Attention
+from tplab.layers.linear import pack_linear_weights
 from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
 
 
@@ -107,11 +109,14 @@ class LLMEngine:
 
     def __init__(self, cfg: EngineConfig, device):
         self.cfg, self.device = cfg, torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()            # activations reuse mapped pages instead of faulting in new ones
         if dist.is_initialized():
             init_tp_comm()                 # under torchrun; a rank from tplab.launch has done it already
         self.model, self.load_report = build_model(cfg, self.device)
         if cfg.check_finite:
             install_finite_check(self.model)
+        pack_linear_weights(self.model)    # after loading, as vLLM's CPU backend does: faster matmuls
         spec = kv_cache_spec(cfg)
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions)
@@ -119,7 +124,8 @@ class LLMEngine:
         self.max_model_len = cfg.hf_config.max_position_embeddings
         self.block_manager = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size,
                                                      cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens or default_batched_tokens(self.device))
         self.num_steps = 0
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False) -> list[Sequence]:
         """Serve every prompt with continuous batching; returns the finished sequences in prompt order.

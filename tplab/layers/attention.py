@@ -205,8 +205,10 @@ class Attention(nn.Module):
         k_cache, v_cache = (c.flatten(0, 1) for c in kv_cache)      # (num_slots, H_kv, D) views
         k_cache.index_copy_(0, meta.slot_mapping, k)                # store the KV heads, not repeated ones
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)                                   # (T, H, D)
         batched = getattr(self.attend, "paged_decode", None) if meta.decode is not None else None
+        if batched is not None and len(meta.decode.seqs) == q.shape[0]:   # every token a decode: no gather
+            return batched(q, *kv_cache, meta.decode, self.scale).flatten(1)
+        out = torch.empty_like(q)                                   # (T, H, D)
         if batched is not None:                                     # tplab's attend: all decodes at once
             rows = meta.decode.token_index                          # (Bd,)
             out.index_copy_(0, rows, batched(q.index_select(0, rows), *kv_cache, meta.decode, self.scale))

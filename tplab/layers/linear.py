@@ -30,35 +30,25 @@ def _onednn_works() -> bool:
 _ONEDNN = _onednn_works()
 
 
-def _packed_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` (bf16) reordered once into oneDNN's blocked layout, kept on the tensor and made again
-    if the weight is written after (its storage or version changes).
-
-    Why: for the few rows of a decode step, oneDNN's bf16 inner product on a plain row-major weight
-    reorders it on every call and streams it no faster than fp32, so bf16 would save no time; on a
-    weight packed once it streams half the bytes of fp32 at about the same rate (bench/peers.py).
-    The packed copy is extra memory (a bf16 model then holds about what an fp32 one does), and the
-    plain weight stays for everything else (the tied embedding lookup, the weight loaders, tests)."""
-    key = (weight.data_ptr(), weight._version)
-    cached = getattr(weight, "_tplab_packed", None)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
-        weight._tplab_packed = cached
-    return cached[1]
-
-
-def _bf16_packing_works() -> bool:
-    if not _ONEDNN or os.environ.get("TPLAB_BF16_PACK", "1") == "0":
+def _packing_works() -> bool:
+    if not _ONEDNN or os.environ.get("TPLAB_PACK_WEIGHTS", "1") == "0":
         return False
     try:
-        x, w = torch.ones(2, 32, dtype=torch.bfloat16), torch.ones(8, 32, dtype=torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w))
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = torch.ones(2, 32, dtype=dtype), torch.ones(8, 32, dtype=dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w)):
+                return False
+        return True
     except (AttributeError, RuntimeError):
         return False
 
 
-_BF16_PACK = _bf16_packing_works()
+_PACK = _packing_works()
+# The row count oneDNN picks the packed layout for. Measured here (bench/): packed for 16 rows, a
+# one-row decode streams fp32 weights 10% slower than from the plain layout; packed for 4, it is as
+# fast as plain at one row and as fast as the 16-row layout at 16 rows (1.5x plain) and in prefill.
+PACK_FOR_ROWS = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,13 +56,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (MKL) streams fp32 weights at about half the memory bandwidth for the few rows of a decode
     step, and decode is nothing but streaming weights (bench/ measures it; ``TPLAB_ONEDNN=0``
     switches back to ``F.linear``). Same maths; the summation order differs at the 1e-7 level.
-    A bf16 weight is used in oneDNN's packed layout (``_packed_bf16``; ``TPLAB_BF16_PACK=0`` turns
-    that off), so bf16 decode reads half the bytes of fp32 at the same rate: about 1.7x the speed."""
+    ``weight`` may be a plain tensor or one packed by ``pack_linear_weights``."""
     if _ONEDNN and x.device.type == "cpu":
-        if _BF16_PACK and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
-            weight = _packed_bf16(weight)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """After loading, on CPU: reorder the weight of every tplab linear layer once into oneDNN's
+    blocked layout, and drop the plain copy (vLLM's CPU backend does the same after loading);
+    returns how many layers were packed.
+
+    Why: a matmul over the few rows of a decode step, or the 16 of a batch of decodes, runs up to
+    1.5x faster on a packed fp32 weight, and a bf16 weight streams half the bytes of fp32 only when
+    packed (on a plain one oneDNN reorders it on every call). The layer's ``weight`` stays a
+    parameter of the same shape and dtype on the ``meta`` device (its bytes still count in
+    ``param_bytes``; reading its values is an error), and ``packed_weight`` holds the numbers.
+    Only layers whose ``forward`` is tplab's own are packed: a replacement part that reads
+    ``self.weight`` keeps it. ``TPLAB_PACK_WEIGHTS=0`` (or ``TPLAB_ONEDNN=0``) turns it off."""
+    count = 0
+    for module in model.modules():
+        if not (_PACK and isinstance(module, LinearBase) and type(module).forward in _OWN_FORWARDS
+                and module.weight.device.type == "cpu" and module.weight.dtype in (torch.float32, torch.bfloat16)):
+            continue
+        weight = module.weight
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
+        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                     requires_grad=False)
+        count += 1
+    return count
 
 
 class LinearBase(nn.Module):
@@ -88,12 +100,13 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight = None        # set by pack_linear_weights once the weights are loaded
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight if self.packed_weight is None else self.packed_weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -221,8 +234,12 @@ class RowParallelLinear(LinearBase):
         copy_into(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        weight = self.weight if self.packed_weight is None else self.packed_weight
+        y = linear(x, weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
+
+
+_OWN_FORWARDS = (LinearBase.forward, RowParallelLinear.forward)   # the forwards that read packed_weight
 
 
 def valid_tp_sizes(total_num_heads: int, total_num_kv_heads: int, *other_sizes: int) -> list[int]:

@@ -9,10 +9,15 @@ sequence over its blocks with segment reductions (max, then sum), as a paged-att
 A dozen ops per layer, whatever the number of sequences, and exact: the same softmax, summed in
 another order.
 
+A block is scored as it lies in the cache, ``(bs, H_kv, D)`` read as ``bs * H_kv`` rows: every query
+head against every KV head's rows, the rows of the other KV heads then hidden. That costs ``H_kv``
+times the (tiny) score FLOPs and saves transposing the gathered blocks, which cost more than the
+matmuls (at TP 2 and above a rank usually holds one KV head, and nothing is wasted).
+
 Shapes: Bd decode sequences, nb blocks they hold in all, bs block_size, H / H_kv heads, G = H / H_kv
 query heads per KV head, D head_dim.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +31,19 @@ class DecodeBlocks:
     block_seq: torch.Tensor       # (nb,) long: which decode sequence (0 .. Bd-1) each block belongs to
     num_blocks: torch.Tensor      # (Bd,) long: blocks per decode sequence
     hidden: torch.Tensor          # (nb, 1, 1, bs) bool: slots past the end of their sequence
+    _masks: dict = field(default_factory=dict, repr=False)   # (H, H_kv) -> score mask, made once per step
+
+    def score_mask(self, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        """``(nb, H, bs * H_kv)`` bool, True where a query head must not look: a slot past the end of
+        its sequence, or a row of another KV head (a block's rows are (slot, KV head) pairs)."""
+        key = (num_heads, num_kv_heads)
+        if key not in self._masks:
+            device, bs = self.hidden.device, self.hidden.shape[-1]
+            group = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)          # (H,)
+            other_head = group[:, None] != torch.arange(num_kv_heads, device=device)              # (H, H_kv)
+            mask = self.hidden.view(-1, 1, bs, 1) | other_head[None, :, None, :]                  # (nb, H, bs, H_kv)
+            self._masks[key] = mask.view(-1, num_heads, bs * num_kv_heads)
+        return self._masks[key]
 
 
 def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -55,15 +73,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  scale: float) -> torch.Tensor:
     """q ``(Bd, H, D)``, one query per decode sequence; caches ``(num_blocks, bs, H_kv, D)`` -> ``(Bd, H, D)``."""
     bd, h, d = q.shape
-    h_kv = k_cache.shape[2]
+    rows = k_cache.shape[1] * k_cache.shape[2]                     # bs * H_kv rows per block
     dtype = torch.float32                                          # scores and softmax in fp32, also for bf16
-    kb = k_cache.index_select(0, dec.blocks).to(dtype)             # (nb, bs, H_kv, D): only the blocks used
-    vb = v_cache.index_select(0, dec.blocks).to(dtype)
-    qb = (q.to(dtype) * scale).index_select(0, dec.block_seq).view(-1, h_kv, h // h_kv, d)   # (nb, H_kv, G, D)
-    s = torch.matmul(qb, kb.permute(0, 2, 3, 1)).masked_fill_(dec.hidden, float("-inf"))  # (nb, H_kv, G, bs)
-    m = torch.segment_reduce(s.amax(-1), "max", lengths=dec.num_blocks)                   # (Bd, H_kv, G)
-    p = (s - m.index_select(0, dec.block_seq).unsqueeze(-1)).exp_()                       # (nb, H_kv, G, bs)
-    den = torch.segment_reduce(p.sum(-1), "sum", lengths=dec.num_blocks)                  # (Bd, H_kv, G)
-    o = torch.matmul(p, vb.permute(0, 2, 1, 3))                                           # (nb, H_kv, G, D)
-    o = torch.segment_reduce(o, "sum", lengths=dec.num_blocks)                            # (Bd, H_kv, G, D)
-    return (o / den.unsqueeze(-1)).view(bd, h, d).to(q.dtype)
+    kb = k_cache.index_select(0, dec.blocks).view(-1, rows, d).to(dtype)   # (nb, bs*H_kv, D): only the blocks used
+    vb = v_cache.index_select(0, dec.blocks).view(-1, rows, d).to(dtype)
+    qb = q.to(dtype).index_select(0, dec.block_seq)                # (nb, H, D): each block's sequence's query
+    s = torch.baddbmm(qb.new_empty(()), qb, kb.transpose(1, 2), beta=0, alpha=scale)  # (nb, H, bs*H_kv)
+    s.masked_fill_(dec.score_mask(h, k_cache.shape[2]), float("-inf"))
+    m = torch.segment_reduce(s.amax(-1), "max", lengths=dec.num_blocks)                # (Bd, H)
+    p = (s - m.index_select(0, dec.block_seq).unsqueeze(-1)).exp_()                    # (nb, H, bs*H_kv)
+    den = p.new_zeros(bd, h).index_add_(0, dec.block_seq, p.sum(-1))                   # (Bd, H)
+    o = p.new_zeros(bd, h, d).index_add_(0, dec.block_seq, torch.bmm(p, vb))           # (Bd, H, D)
+    return (o / den.unsqueeze(-1)).to(q.dtype)
