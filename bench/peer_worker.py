@@ -31,6 +31,7 @@ def vllm_engine(ckpt: str, opts: dict):
     from vllm import LLM, SamplingParams
     llm = LLM(model=ckpt, tensor_parallel_size=tp, dtype=opts.get("dtype", "float32"), skip_tokenizer_init=True,
               max_model_len=opts.get("max_model_len", 4096), seed=0, max_num_seqs=opts.get("max_num_seqs", 16),
+              # off, as in tplab: the bench sends the same prompts every round, which a prefix cache would skip
               enable_prefix_caching=opts.get("enable_prefix_caching", False))
 
     def generate(prompts, max_tokens):

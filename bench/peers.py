@@ -10,6 +10,8 @@ Rows (ratio = tplab / peer, measured side by side: rounds alternate tplab and th
 every other round, and the ratio is the median of per-round ratios, because this machine's load moves):
   decode     batch 1, TP 1, fp32: tplab vs CTranslate2, and vs vLLM CPU; rate = (n - 1) / (t[n] - t[1])
   batch16    16 concurrent requests of different lengths, TP 1 and TP 2: tplab vs vLLM CPU, tok/s of the call
+             (prefill included; prefix caching off in both, or vLLM's default would serve every round after
+             the first from its cached prompt blocks: measured, 4.0 s instead of 8.4 s for the 16 prompts)
   prefill    8192- and 2048-token prompts: tplab generate(max_tokens=1) vs HF's forward; the 8192 row runs
              each engine once in a fresh process and also gives its peak RSS (VmHWM: load + prefill)
   bf16       batch 1 decode in bf16: tplab vs HF bf16 generate, and vs tplab's own fp32 (target >= 1.6)

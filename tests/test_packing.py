@@ -1,0 +1,49 @@
+"""Weights packed for oneDNN after loading (``pack_linear_weights``, as vLLM's CPU backend does):
+the same outputs as the plain weights, the plain copy dropped, and a part that reads its own
+``weight`` left alone."""
+import pytest
+import torch
+
+from tplab.engine.probe import load_model
+from tplab.layers import linear as linear_module
+from tplab.layers.linear import RowParallelLinear, pack_linear_weights
+
+pytestmark = pytest.mark.skipif(not linear_module._PACK, reason="oneDNN weight packing is not available here")
+
+
+def run_layers(model, x):
+    """Every tplab linear layer of the first decoder layer on ``x`` (no collectives: TP 1)."""
+    layer = model.model.layers[0]
+    qkv = layer.self_attn.qkv_proj(x)
+    gate_up = layer.mlp.gate_up_proj(x)
+    return [qkv, layer.self_attn.o_proj(qkv[:, :layer.self_attn.o_proj.weight.shape[1]]), gate_up,
+            layer.mlp.down_proj(gate_up[:, :layer.mlp.down_proj.weight.shape[1]])]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_layers_give_the_plain_layers_outputs(checkpoint, dtype):
+    model = load_model(checkpoint("gqa"), dtype=dtype)
+    x = torch.randn(5, model.config.hidden_size).to(getattr(torch, dtype))
+    plain = run_layers(model, x)
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+    assert pack_linear_weights(model) == 4 * model.config.num_hidden_layers    # qkv, o, gate_up, down
+    packed = run_layers(model, x)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for a, b in zip(packed, plain):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    layer = model.model.layers[0].mlp.gate_up_proj
+    assert layer.weight.device.type == "meta" and layer.packed_weight.is_mkldnn   # the plain copy is gone
+    assert {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()} == shapes   # param_bytes unchanged
+    assert model.model.embed_tokens.weight.device.type == "cpu"                  # the embedding is not packed
+
+
+def test_a_part_that_reads_its_weight_is_not_packed(checkpoint):
+    class MyRow(RowParallelLinear):
+        def forward(self, x):
+            return x @ self.weight.T                                # reads self.weight: must keep it
+
+    model = load_model(checkpoint("gqa"), parts={"row_linear": MyRow})
+    pack_linear_weights(model)
+    down = model.model.layers[0].mlp.down_proj
+    assert down.packed_weight is None and down.weight.device.type == "cpu"
+    assert model.model.layers[0].mlp.gate_up_proj.packed_weight is not None
