@@ -30,13 +30,18 @@ def _onednn_works() -> bool:
 _ONEDNN = _onednn_works()
 
 
+# The row count oneDNN is told to pack a weight for. It picks the layout from it: here 4 and 16 give
+# the same blocked layout (AB16b64a), 1 gives the plain one (no faster at 16 rows).
+PACK_FOR_ROWS = 4
+
+
 def _packing_works() -> bool:
     if not _ONEDNN or os.environ.get("TPLAB_PACK_WEIGHTS", "1") == "0":
         return False
     try:
         for dtype in (torch.float32, torch.bfloat16):
             x, w = torch.ones(2, 32, dtype=dtype), torch.ones(8, 32, dtype=dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS)
             if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w)):
                 return False
         return True
@@ -45,10 +50,6 @@ def _packing_works() -> bool:
 
 
 _PACK = _packing_works()
-# The row count oneDNN picks the packed layout for. Measured here (bench/): packed for 16 rows, a
-# one-row decode streams fp32 weights 10% slower than from the plain layout; packed for 4, it is as
-# fast as plain at one row and as fast as the 16-row layout at 16 rows (1.5x plain) and in prefill.
-PACK_FOR_ROWS = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,9 +68,10 @@ def pack_linear_weights(model: nn.Module) -> int:
     blocked layout, and drop the plain copy (vLLM's CPU backend does the same after loading);
     returns how many layers were packed.
 
-    Why: a matmul over the few rows of a decode step, or the 16 of a batch of decodes, runs up to
-    1.5x faster on a packed fp32 weight, and a bf16 weight streams half the bytes of fp32 only when
-    packed (on a plain one oneDNN reorders it on every call). The layer's ``weight`` stays a
+    Why: a matmul over the 16 rows of a batch of decodes runs about 1.5x faster on a packed fp32
+    weight, a prefill's about 10% faster, and a bf16 weight streams half the bytes of fp32 only when
+    packed (on a plain one oneDNN reorders it on every call). The price: a single sequence's fp32
+    decode (one row) runs about 10% slower than on the plain layout (bench/, README). The layer's ``weight`` stays a
     parameter of the same shape and dtype on the ``meta`` device (its bytes still count in
     ``param_bytes``; reading its values is an error), and ``packed_weight`` holds the numbers.
     Only layers whose ``forward`` is tplab's own are packed: a replacement part that reads
