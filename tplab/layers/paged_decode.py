@@ -79,9 +79,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     vb = v_cache.index_select(0, dec.blocks).view(-1, rows, d).to(dtype)
     qb = q.to(dtype).index_select(0, dec.block_seq)                # (nb, H, D): each block's sequence's query
     s = torch.baddbmm(qb.new_empty(()), qb, kb.transpose(1, 2), beta=0, alpha=scale)  # (nb, H, bs*H_kv)
-    s.masked_fill_(dec.score_mask(h, k_cache.shape[2]), float("-inf"))
-    m = torch.segment_reduce(s.amax(-1), "max", lengths=dec.num_blocks)                # (Bd, H)
-    p = (s - m.index_select(0, dec.block_seq).unsqueeze(-1)).exp_()                    # (nb, H, bs*H_kv)
+    hidden = dec.score_mask(h, k_cache.shape[2])
+    m = torch.segment_reduce(s.masked_fill_(hidden, float("-inf")).amax(-1), "max", lengths=dec.num_blocks)  # (Bd, H)
+    # exp of a score more than 80 below its row's max is under 2e-35, too small to change an fp32 sum
+    # that holds the max's weight of 1; clamped there, exp never makes denormals (3x slower here)
+    p = (s - m.index_select(0, dec.block_seq).unsqueeze(-1)).clamp_min_(-80.0).exp_().masked_fill_(hidden, 0.0)
     den = p.new_zeros(bd, h).index_add_(0, dec.block_seq, p.sum(-1))                   # (Bd, H)
     o = p.new_zeros(bd, h, d).index_add_(0, dec.block_seq, torch.bmm(p, vb))           # (Bd, H, D)
     return (o / den.unsqueeze(-1)).to(q.dtype)
