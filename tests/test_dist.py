@@ -324,3 +324,17 @@ def test_close_destroys_each_rank_group_and_leaves_no_processes(group2, tmp_path
     with pytest.raises(RuntimeError, match="closed"):
         group2.run(world_info)
     assert live_children() <= children_before_this_module
+
+
+def test_a_survivors_connection_error_is_reported_as_the_peers_death(no_new_children):
+    """When a rank is killed, its peer's collective fails with a reset connection, and that error can
+    reach the driver before the death does: the death is what the error names."""
+    def die_on_rank_1_reset_on_rank_0():
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+    with pytest.raises(RankError, match=r"rank 1 died \(signal 9.*then rank 0 failed: RuntimeError") as info:
+        RankGroup(2, timeout=60).run(die_on_rank_1_reset_on_rank_0)
+    assert info.value.rank == 1

@@ -139,6 +139,20 @@ def _death(rank: int, proc) -> RankError:
     return RankError(rank, f"rank {rank} died ({how})")
 
 
+def _lost_peer(message: str) -> bool:
+    """Whether a rank's error says a peer went away (gloo's or NCCL's transport), not a bug of its own."""
+    return any(s in message for s in ("Connection reset", "Connection closed", "Broken pipe", "pair.cc", "NCCL"))
+
+
+def _dead_peer(procs, rank: int, grace: float = 0.5) -> int | None:
+    """A rank other than ``rank`` that has died, waiting up to ``grace`` seconds for one to be noticed:
+    when a rank is killed its peers' collectives fail at once, and their error can reach the driver
+    before the dead rank's exit does. The death is the cause to report."""
+    others = {p.sentinel: r for r, p in enumerate(procs) if r != rank}
+    ready = wait(list(others), grace)
+    return others[ready[0]] if ready else None
+
+
 class RankGroup:
     """`world_size` long-lived rank processes sharing one process group; run functions on all of them.
 
@@ -220,6 +234,10 @@ class RankGroup:
                 results[rank] = cloudpickle.loads(msg[1])
                 pending.discard(rank)
             else:
+                dead = _dead_peer(ranks.procs, rank) if _lost_peer(msg[2]) else None
+                if dead is not None:  # the survivor's error (a reset connection) follows from that death
+                    err = _death(dead, ranks.procs[dead])
+                    raise RankError(dead, f"{err}; then rank {rank} failed: {msg[1]}: {msg[2]}", msg[3])
                 raise RankError(rank, f"rank {rank} failed: {msg[1]}: {msg[2]}", msg[3])
 
         owner = {c: r for r, c in enumerate(ranks.conns)} | {p.sentinel: r for r, p in enumerate(ranks.procs)}
