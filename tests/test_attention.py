@@ -81,12 +81,14 @@ def test_attention_writes_kv_heads_and_attends_each_sequence_to_its_own_keys(att
         torch.testing.assert_close(out[rows].view(-1, H, D), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lens", [[1, 9, 30, 4, 13], [30], [5], [1]], ids=["five", "one-30", "one-5", "one-1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_equals_one_sequence_at_a_time(dtype):
-    """Decodes of sequences of very different lengths, attended together, equal each one alone."""
+def test_paged_decode_equals_one_sequence_at_a_time(dtype, lens):
+    """Decodes of sequences of very different lengths, attended together, equal each one alone; a single
+    sequence (its own path: its blocks are its keys) too, its last block full, partly filled, or one slot."""
     torch.manual_seed(1)
-    block_size, lens = 4, [1, 9, 30, 4, 13]
-    tables = [list(range(i * 8, i * 8 + -(-n // block_size))) for i, n in enumerate(lens)]
+    block_size = 4
+    tables = [list(range(i * 8 + 3, i * 8 + 3 + -(-n // block_size)))[::-1] for i, n in enumerate(lens)]
     cache = tuple(torch.randn(40, block_size, H_KV, D, dtype=dtype) for _ in range(2))
     meta = build_metadata([1] * len(lens), lens, tables, block_size, "cpu")
     q = torch.randn(len(lens), H, D, dtype=dtype)

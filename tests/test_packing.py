@@ -1,11 +1,12 @@
-"""Weights packed for oneDNN after loading (``pack_linear_weights``, as vLLM's CPU backend does):
-the same outputs as the plain weights, the plain copy dropped, and a part that reads its own
-``weight`` left alone."""
+"""Weights packed for oneDNN after loading (``pack_linear_weights``, ``pack_lm_head``, as vLLM's CPU
+backend does): the same outputs as the plain weights, the plain copy dropped (kept for the tied LM
+head, whose weight is the embedding's), and a part that reads its own ``weight`` left alone."""
 import pytest
 import torch
 
 from tplab.engine.probe import load_model
 from tplab.layers import linear as linear_module
+from tplab.layers.embed_head import ParallelLMHead, pack_lm_head
 from tplab.layers.linear import RowParallelLinear, pack_linear_weights
 
 pytestmark = pytest.mark.skipif(not linear_module._PACK, reason="oneDNN weight packing is not available here")
@@ -47,3 +48,26 @@ def test_a_part_that_reads_its_weight_is_not_packed(checkpoint):
     down = model.model.layers[0].mlp.down_proj
     assert down.packed_weight is None and down.weight.device.type == "cpu"
     assert model.model.layers[0].mlp.gate_up_proj.packed_weight is not None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_lm_head_gets_a_packed_copy_and_the_same_logits(checkpoint, dtype):
+    model = load_model(checkpoint("gqa"), dtype=dtype)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    hidden = [torch.randn(rows, model.config.hidden_size).to(getattr(torch, dtype)) for rows in (1, 2, 3, 16)]
+    plain = [model.compute_logits(h) for h in hidden]
+    assert pack_lm_head(model.lm_head)
+    assert model.lm_head.packed_weight.is_mkldnn
+    assert model.lm_head.weight is model.model.embed_tokens.weight            # the lookup keeps its rows
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for h, before in zip(hidden, plain):
+        torch.testing.assert_close(model.compute_logits(h).float(), before.float(), rtol=tol, atol=tol)
+
+
+def test_a_replacement_head_gets_no_packed_copy(checkpoint):
+    class MyHead(ParallelLMHead):
+        def forward(self, hidden, gather_output=True):
+            return hidden @ self.weight.T
+
+    model = load_model(checkpoint("gqa"), parts={"lm_head": MyHead})
+    assert not pack_lm_head(model.lm_head) and model.lm_head.packed_weight is None

@@ -18,6 +18,7 @@ from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
 from tplab.models.loader import LoadReport
 from tplab.layers.attention import Attention
+from tplab.layers.embed_head import pack_lm_head
 from tplab.layers.linear import pack_linear_weights
 from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
 
@@ -117,6 +118,7 @@ class LLMEngine:
         if cfg.check_finite:
             install_finite_check(self.model)
         pack_linear_weights(self.model)    # after loading, as vLLM's CPU backend does: faster matmuls
+        pack_lm_head(self.model.lm_head)
         spec = kv_cache_spec(cfg)
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions)

@@ -7,7 +7,8 @@ every query against the blocks of its own sequence only (one batched matmul: a b
 its sequence's query), hides the unused slots of each sequence's last block, and does the softmax per
 sequence over its blocks with segment reductions (max, then sum), as a paged-attention kernel does.
 A dozen ops per layer, whatever the number of sequences, and exact: the same softmax, summed in
-another order.
+another order. A step with a single decode sequence takes a shorter path (``_one_sequence``): its
+blocks, in order, are its keys, so there is nothing to merge.
 
 A block is scored as it lies in the cache, ``(bs, H_kv, D)`` read as ``bs * H_kv`` rows: every query
 head against every KV head's rows, the rows of the other KV heads then hidden. That costs ``H_kv``
@@ -30,6 +31,7 @@ class DecodeBlocks:
     blocks: torch.Tensor          # (nb,) long: each decode sequence's blocks in order, one sequence after another
     block_seq: torch.Tensor       # (nb,) long: which decode sequence (0 .. Bd-1) each block belongs to
     num_blocks: torch.Tensor      # (Bd,) long: blocks per decode sequence
+    context_lens: list[int]       # Bd ints: keys of each decode sequence (cached + its new one)
     hidden: torch.Tensor          # (nb, 1, 1, bs) bool: slots past the end of their sequence
     _masks: dict = field(default_factory=dict, repr=False)   # (H, H_kv) -> score mask, made once per step
 
@@ -52,7 +54,7 @@ def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: 
     seqs = [b for b, q in enumerate(query_lens) if q == 1]
     if not seqs:
         return None
-    blocks, counts, filled, token_index, start = [], [], [], [], 0
+    blocks, counts, filled, token_index = [], [], [], []
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
@@ -66,15 +68,17 @@ def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: 
     hidden = torch.arange(block_size, device=device) >= tensor(filled)[:, None]          # (nb, bs)
     return DecodeBlocks(seqs, tensor(token_index), tensor(blocks),
                         torch.repeat_interleave(torch.arange(len(seqs), device=device), tensor(counts)),
-                        tensor(counts), hidden[:, None, None, :])
+                        tensor(counts), [context_lens[b] for b in seqs], hidden[:, None, None, :])
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBlocks,
                  scale: float) -> torch.Tensor:
     """q ``(Bd, H, D)``, one query per decode sequence; caches ``(num_blocks, bs, H_kv, D)`` -> ``(Bd, H, D)``."""
     bd, h, d = q.shape
-    rows = k_cache.shape[1] * k_cache.shape[2]                     # bs * H_kv rows per block
     dtype = torch.float32                                          # scores and softmax in fp32, also for bf16
+    if bd == 1:
+        return _one_sequence(q, k_cache, v_cache, dec, scale, dtype)
+    rows = k_cache.shape[1] * k_cache.shape[2]                     # bs * H_kv rows per block
     kb = k_cache.index_select(0, dec.blocks).view(-1, rows, d).to(dtype)   # (nb, bs*H_kv, D): only the blocks used
     vb = v_cache.index_select(0, dec.blocks).view(-1, rows, d).to(dtype)
     qb = q.to(dtype).index_select(0, dec.block_seq)                # (nb, H, D): each block's sequence's query
@@ -87,3 +91,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     den = p.new_zeros(bd, h).index_add_(0, dec.block_seq, p.sum(-1))                   # (Bd, H)
     o = p.new_zeros(bd, h, d).index_add_(0, dec.block_seq, torch.bmm(p, vb))           # (Bd, H, D)
     return (o / den.unsqueeze(-1)).to(q.dtype)
+
+
+def _one_sequence(q, k_cache, v_cache, dec: DecodeBlocks, scale: float, dtype) -> torch.Tensor:
+    """One decode sequence (a single request's decode): its blocks, in order, are its keys, so there is
+    no per-block softmax to merge; GQA by viewing the query heads as ``(H_kv, G)``, as ``sdpa_attend``
+    does. Half the ops of the general path: at batch 1 their fixed cost is what a layer's attention is."""
+    _, h, d = q.shape
+    h_kv, n = k_cache.shape[2], dec.context_lens[0]
+    k = k_cache.index_select(0, dec.blocks).flatten(0, 1)[:n].transpose(0, 1).to(dtype)   # (H_kv, Lk, D)
+    v = v_cache.index_select(0, dec.blocks).flatten(0, 1)[:n].transpose(0, 1).to(dtype)
+    qg = q.to(dtype).view(h_kv, h // h_kv, d)                                               # (H_kv, G, D)
+    s = torch.baddbmm(qg.new_empty(()), qg, k.transpose(1, 2), beta=0, alpha=scale)         # (H_kv, G, Lk)
+    return torch.bmm(s.softmax(-1), v).view(1, h, d).to(q.dtype)
