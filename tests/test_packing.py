@@ -51,17 +51,19 @@ def test_a_part_that_reads_its_weight_is_not_packed(checkpoint):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_lm_head_gets_a_packed_copy_and_the_same_logits(checkpoint, dtype):
+def test_the_lm_head_packs_a_copy_when_needed_and_gives_the_same_logits(checkpoint, dtype):
     model = load_model(checkpoint("gqa"), dtype=dtype)
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     hidden = [torch.randn(rows, model.config.hidden_size).to(getattr(torch, dtype)) for rows in (1, 2, 3, 16)]
     plain = [model.compute_logits(h) for h in hidden]
-    assert pack_lm_head(model.lm_head)
-    assert model.lm_head.packed_weight.is_mkldnn
-    assert model.lm_head.weight is model.model.embed_tokens.weight            # the lookup keeps its rows
+    assert pack_lm_head(model.lm_head) and model.lm_head.packed_weight is None    # nothing made yet
     tol = 1e-5 if dtype == "float32" else 2e-2
     for h, before in zip(hidden, plain):
         torch.testing.assert_close(model.compute_logits(h).float(), before.float(), rtol=tol, atol=tol)
+        made = model.lm_head.packed_weight is not None
+        assert made == (dtype == "bfloat16" or h.shape[0] >= 3), f"{h.shape[0]} rows of {dtype}: copy made {made}"
+    assert model.lm_head.packed_weight.is_mkldnn
+    assert model.lm_head.weight is model.model.embed_tokens.weight            # the lookup keeps its rows
 
 
 def test_a_replacement_head_gets_no_packed_copy(checkpoint):
@@ -70,4 +72,6 @@ def test_a_replacement_head_gets_no_packed_copy(checkpoint):
             return hidden @ self.weight.T
 
     model = load_model(checkpoint("gqa"), parts={"lm_head": MyHead})
-    assert not pack_lm_head(model.lm_head) and model.lm_head.packed_weight is None
+    assert not pack_lm_head(model.lm_head)
+    model.compute_logits(torch.randn(16, model.config.hidden_size))
+    assert model.lm_head.packed_weight is None

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.layers.linear import linear, packed
+from tplab.layers.linear import can_pack, linear, packed
 from tplab.layers.weights import copy_into, expect_shape
 from tplab.distributed.parallel_state import all_gather, all_reduce, tp_rank_and_size
 
@@ -72,16 +72,20 @@ class ParallelLMHead(VocabParallelEmbedding):
       rank, padding rows dropped.
     """
 
-    packed_weight = None    # a packed copy, set by pack_lm_head after loading (CPU)
+    packed_weight = None     # a packed copy of weight, made when first needed once pack_lm_head allowed it
+    pack_on_demand = False
 
     def forward(self, hidden: torch.Tensor, gather_output: bool = True) -> torch.Tensor:
         logits = linear(hidden, self._weight_for(hidden))           # (N, per_rank)
         return self.gather(logits) if gather_output else logits
 
     def _weight_for(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The packed copy, except for fp32 logits of one or two rows (a plain weight streams faster)."""
-        if self.packed_weight is None or (hidden.shape[0] < 3 and self.weight.dtype == torch.float32):
+        """The packed copy (made at the first step that wants it), except for fp32 logits of one or two
+        rows, which stream faster from the plain weight."""
+        if not self.pack_on_demand or (hidden.shape[0] < 3 and self.weight.dtype == torch.float32):
             return self.weight
+        if self.packed_weight is None:
+            self.packed_weight = packed(self.weight)
         return self.packed_weight
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
@@ -91,14 +95,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def pack_lm_head(lm_head: nn.Module) -> bool:
-    """After loading, on CPU: give tplab's LM head a packed copy of its weight (vLLM's CPU backend does
-    the same). The plain weight stays: it is usually the embedding's too (tied), and the lookup needs it.
-    Costs one more ``(vocab / tp_size, hidden)`` weight (545 MB fp32 for Qwen2.5-0.5B at TP 1), for:
-    fp32 logits of a 16-sequence decode step about 1.5x faster (it is a quarter of the step), bf16
-    logits faster at any batch (oneDNN reorders a plain bf16 weight on every call). A single
-    sequence's fp32 logits stay on the plain weight, which streams faster for one row. Only tplab's
-    own ``forward`` is given the copy; ``TPLAB_PACK_WEIGHTS=0`` turns it off. Returns whether packed."""
-    if type(lm_head).forward is not ParallelLMHead.forward:
+    """After loading, on CPU: let tplab's LM head keep a packed copy of its weight (vLLM's CPU backend
+    does the same), made at the first step that wants it. The plain weight stays: it is usually the
+    embedding's too (tied), and the lookup needs it. The copy costs one more ``(vocab / tp_size,
+    hidden)`` weight (545 MB fp32 for Qwen2.5-0.5B at TP 1) and buys fp32 logits of a 16-sequence
+    decode step about 1.5x faster (they are a quarter of the step), and bf16 logits at any batch that
+    oneDNN does not reorder on every call. fp32 logits of one or two rows stay on the plain weight,
+    which streams faster for so few rows, so a single sequence's fp32 generation never makes the copy.
+    Only tplab's own ``forward`` is given it; ``TPLAB_PACK_WEIGHTS=0`` turns it off. Returns whether
+    the head will pack."""
+    if type(lm_head).forward is not ParallelLMHead.forward or not can_pack(lm_head.weight):
         return False
-    lm_head.packed_weight = packed(lm_head.weight)
-    return lm_head.packed_weight is not None
+    lm_head.pack_on_demand = True
+    return True

@@ -63,12 +63,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``packed(weight)`` packs: packing on and available, a CPU weight in fp32 or bf16."""
+    return _PACK and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+
+
 def packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` reordered once into oneDNN's blocked layout for ``linear`` (None where packing is off,
-    unavailable, or not for this device/dtype)."""
-    if not (_PACK and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS)
+    """``weight`` reordered once into oneDNN's blocked layout for ``linear`` (None where it cannot be)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS) if can_pack(weight) else None
 
 
 def pack_linear_weights(model: nn.Module) -> int:
