@@ -131,3 +131,26 @@ def test_qkv_sizes_come_from_global_head_counts():
 def test_bad_tp_size_names_the_numbers_and_lists_sizes_that_work(heads, kv, tp, msg):
     with pytest.raises(ValueError, match=msg):
         QKVParallelLinear(64, 8, heads, kv, tp_rank=0, tp_size=tp)
+
+
+def test_rope_rows_are_looked_up_again_after_an_in_place_change():
+    """Layers of one step share the cos/sin rows of one lookup; changing the positions, or the rows a
+    (learner's) rotation was handed, in place must not leave later layers with stale angles."""
+    from tplab.layers.rotary import RotaryEmbedding
+
+    seen = []
+    rope = RotaryEmbedding(8, 64, 10000.0, apply_fn=lambda q, k, cos, sin: seen.append(cos.clone()) or (q, k))
+    positions, q, k = torch.tensor([3, 5]), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8)
+    rope(positions, q, k)
+    rope(positions, q, k)
+    positions[0] = 7                                                  # same tensor, new values
+    rope(positions, q, k)
+    def scribble(q, k, cos, sin):                                     # changes the shared rows in place
+        cos.zero_()
+        return q, k
+
+    RotaryEmbedding(8, 64, 10000.0, apply_fn=scribble)(positions, q, k)
+    rope(positions, q, k)
+    table = rope.cos_cached
+    assert torch.equal(seen[0], table[[3, 5]]) and torch.equal(seen[1], table[[3, 5]])
+    assert torch.equal(seen[2], table[[7, 5]]) and torch.equal(seen[3], table[[7, 5]])
