@@ -133,24 +133,26 @@ def test_bad_tp_size_names_the_numbers_and_lists_sizes_that_work(heads, kv, tp, 
         QKVParallelLinear(64, 8, heads, kv, tp_rank=0, tp_size=tp)
 
 
-def test_rope_rows_are_looked_up_again_after_an_in_place_change():
-    """Layers of one step share the cos/sin rows of one lookup; changing the positions, or the rows a
-    (learner's) rotation was handed, in place must not leave later layers with stale angles."""
-    from tplab.layers.rotary import RotaryEmbedding
+def test_rope_rows_shared_by_layers_and_a_replacement_rotation_gets_its_own():
+    """tplab's own rotation shares one lookup of the cos/sin rows among the layers of a step; a
+    replacement rotation (a learner's, a pitfall's) gets rows of its own, so one that changes them in
+    place cannot leave the other layers with wrong angles."""
+    from tplab.layers.rotary import RotaryEmbedding, apply_rotary
 
-    seen = []
-    rope = RotaryEmbedding(8, 64, 10000.0, apply_fn=lambda q, k, cos, sin: seen.append(cos.clone()) or (q, k))
-    positions, q, k = torch.tensor([3, 5]), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8)
-    rope(positions, q, k)
-    rope(positions, q, k)
-    positions[0] = 7                                                  # same tensor, new values
-    rope(positions, q, k)
-    def scribble(q, k, cos, sin):                                     # changes the shared rows in place
+    positions, q, k = torch.tensor([3, 5]), torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    ours = [RotaryEmbedding(8, 64, 10000.0) for _ in range(2)]
+    with torch.inference_mode():
+        first, second = (rope(positions, q, k) for rope in ours)
+    table_cos, table_sin = ours[0].cos_cached[[3, 5]], ours[0].sin_cached[[3, 5]]
+    want = apply_rotary(q, k, table_cos, table_sin)
+    for got in (first, second):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    def scribble(q, k, cos, sin):                                     # changes its rows in place
         cos.zero_()
         return q, k
 
-    RotaryEmbedding(8, 64, 10000.0, apply_fn=scribble)(positions, q, k)
-    rope(positions, q, k)
-    table = rope.cos_cached
-    assert torch.equal(seen[0], table[[3, 5]]) and torch.equal(seen[1], table[[3, 5]])
-    assert torch.equal(seen[2], table[[7, 5]]) and torch.equal(seen[3], table[[7, 5]])
+    with torch.inference_mode():
+        RotaryEmbedding(8, 64, 10000.0, apply_fn=scribble)(positions, q, k)
+        after = ours[1](positions, q, k)
+    assert all(torch.equal(a, b) for a, b in zip(after, want))
