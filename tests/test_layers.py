@@ -134,9 +134,9 @@ def test_bad_tp_size_names_the_numbers_and_lists_sizes_that_work(heads, kv, tp, 
 
 
 def test_rope_rows_shared_by_layers_and_a_replacement_rotation_gets_its_own():
-    """tplab's own rotation shares one lookup of the cos/sin rows among the layers of a step; a
-    replacement rotation (a learner's, a pitfall's) gets rows of its own, so one that changes them in
-    place cannot leave the other layers with wrong angles."""
+    """tplab's own rotation reuses one lookup of the cos/sin rows for every layer of a step and still
+    rotates by the table's rows; a replacement rotation (a learner's, a pitfall's) gets rows of its
+    own, so one that changes them in place cannot leave tplab's layers with wrong angles."""
     from tplab.layers.rotary import RotaryEmbedding, apply_rotary
 
     positions, q, k = torch.tensor([3, 5]), torch.randn(2, 2, 8), torch.randn(2, 1, 8)
