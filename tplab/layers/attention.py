@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.layers.paged_decode import DecodeBlocks, decode_blocks, paged_decode
+from tplab.layers.paged_decode import DecodeBlocks, decode_blocks, one_query_attention, paged_decode
 
 
 @dataclass
@@ -134,11 +134,9 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torc
     uses SDPA's ``is_causal``, the same mask, which lets the kernel skip the hidden blocks; a chunk
     after cached keys is split in two (``_cached_then_causal``) for the same reason.
     """
-    h_kv, lk, d = k.shape
+    lk, d = k.shape[1:]
     if q.shape[1] == 1:
-        qg = q.reshape(h_kv, -1, d)                                 # (H_kv, H/H_kv, D): one query per head
-        scores = torch.baddbmm(qg.new_empty(()), qg, k.transpose(1, 2), beta=0, alpha=scale)  # (H_kv, H/H_kv, Lk)
-        return torch.bmm(scores.softmax(-1), v).view(-1, 1, d)     # (H, 1, D)
+        return one_query_attention(q, k, v, scale).view(-1, 1, d)  # (H, 1, D)
     if q.shape[1] < lk and q.device.type == "cpu" and _FLASH_CPU is not None:
         return _cached_then_causal(q, k, v, scale)
     causal = q.shape[1] == lk

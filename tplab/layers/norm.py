@@ -13,8 +13,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32:   # the same ops less the two no-op casts (a decode step is 49 norms)
-            return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps))).mul_(self.weight)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)

@@ -93,14 +93,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return (o / den.unsqueeze(-1)).to(q.dtype)
 
 
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per head against one sequence's keys, which it sees all of: q ``(H, ..., D)`` holding
+    H queries, k and v ``(H_kv, Lk, D)`` -> ``(H_kv, H / H_kv, D)``. GQA by viewing the query heads as
+    ``(H_kv, G)``: each KV head's group is one small matmul, the KV heads never repeated. A decode step's
+    attention, in two matmuls (faster on CPU than SDPA's kernel for one query); also ``sdpa_attend``'s."""
+    h_kv, _, d = k.shape
+    qg = q.reshape(h_kv, -1, d)                                      # (H_kv, G, D)
+    scores = torch.baddbmm(qg.new_empty(()), qg, k.transpose(1, 2), beta=0, alpha=scale)   # (H_kv, G, Lk)
+    return torch.bmm(scores.softmax(-1), v)
+
+
 def _one_sequence(q, k_cache, v_cache, dec: DecodeBlocks, scale: float, dtype) -> torch.Tensor:
     """One decode sequence (a single request's decode): its blocks, in order, are its keys, so there is
-    no per-block softmax to merge; GQA by viewing the query heads as ``(H_kv, G)``, as ``sdpa_attend``
-    does. Half the ops of the general path: at batch 1 their fixed cost is what a layer's attention is."""
+    no per-block softmax to merge. Half the ops of the general path: at batch 1 their fixed cost is what
+    a layer's attention is."""
     _, h, d = q.shape
-    h_kv, n = k_cache.shape[2], dec.context_lens[0]
+    n = dec.context_lens[0]
     k = k_cache.index_select(0, dec.blocks).flatten(0, 1)[:n].transpose(0, 1).to(dtype)   # (H_kv, Lk, D)
     v = v_cache.index_select(0, dec.blocks).flatten(0, 1)[:n].transpose(0, 1).to(dtype)
-    qg = q.to(dtype).view(h_kv, h // h_kv, d)                                               # (H_kv, G, D)
-    s = torch.baddbmm(qg.new_empty(()), qg, k.transpose(1, 2), beta=0, alpha=scale)         # (H_kv, G, Lk)
-    return torch.bmm(s.softmax(-1), v).view(1, h, d).to(q.dtype)
+    return one_query_attention(q.to(dtype), k, v, scale).view(1, h, d).to(q.dtype)
