@@ -21,14 +21,17 @@ def api_example_work(x):
     return t
 
 
+SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def live_children() -> set[int]:
     # Ranks are joined before run()/close() return, so there is nothing to wait for. Left out:
-    # multiprocessing's resource tracker, a singleton that spawn starts once per parent and
-    # that exits with it.
+    # multiprocessing's resource tracker and fork server, singletons started once per parent that
+    # exit with it.
     pids = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            if "multiprocessing.resource_tracker" not in " ".join(child.cmdline()):
+            if not any(s in " ".join(child.cmdline()) for s in SINGLETONS):
                 pids.add(child.pid)
         except psutil.Error:  # already gone
             pass
@@ -164,6 +167,13 @@ def test_each_group_spawns_fresh_processes_with_its_own_store_port(group2, monke
     with RankGroup(1, timeout=60) as group:
         assert group._ranks.store.port != group2._ranks.store.port
         assert group.run(lambda: hasattr(sys.modules["tplab.distributed.launcher"], "_set_in_parent_only")) == [False]
+
+
+def test_ranks_see_the_environment_of_the_moment_they_start(group2, monkeypatch):
+    """Ranks are forked from a server started earlier (on Linux), yet they get the caller's current
+    environment, as spawned ones would: a variable set after the first launch reaches the next ranks."""
+    monkeypatch.setenv("TPLAB_TEST_MARK", "set after the first launch")
+    assert launch(lambda: os.environ.get("TPLAB_TEST_MARK"), 2, timeout=60) == ["set after the first launch"] * 2
 
 
 def test_raising_rank_gives_rank_error_quickly_and_next_launch_works(no_new_children):

@@ -40,8 +40,9 @@ def gone(pids, within=10.0):
 
 
 def our_children():
-    # multiprocessing's resource tracker lives as long as this process; it is not a rank
-    return [c for c in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(c.cmdline())]
+    # multiprocessing's resource tracker and fork server live as long as this process; they are not ranks
+    return [c for c in psutil.Process().children(recursive=True)
+            if not any(s in " ".join(c.cmdline()) for s in ("resource_tracker", "forkserver"))]
 
 
 def test_nan_in_a_rank_names_the_layer_and_rank_then_a_new_llm_works(checkpoint):

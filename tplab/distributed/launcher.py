@@ -6,8 +6,6 @@ defined in a notebook cell; tensors come back on the CPU. A rank that raises, di
 reported in the parent and every rank is stopped, so the cell can simply be run again.
 """
 import atexit
-import multiprocessing as mp
-import multiprocessing.spawn
 import os
 import pickle
 import signal
@@ -21,6 +19,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from tplab.distributed import rank_start
 from tplab.distributed.rank_process import rank_main
 
 _BACKENDS = ("gloo", "nccl")
@@ -63,29 +62,6 @@ class RankError(RuntimeError):
     def __init__(self, rank: int, summary: str, remote_traceback: str = ""):
         super().__init__(f"{summary}\n{remote_traceback}".rstrip())
         self.rank, self.remote_traceback = rank, remote_traceback
-
-
-_spawn_lock = threading.Lock()
-
-
-def _start_without_main(proc):
-    # spawn normally re-runs the parent's __main__ script in the child. Ranks never need it (fn comes
-    # by value), and a user script without an `if __name__ == "__main__"` guard would start ranks
-    # recursively, so leave the main-module entries out of spawn's preparation data.
-    original = mp.spawn.get_preparation_data
-
-    def without_main(name):
-        data = original(name)
-        data.pop("init_main_from_name", None)
-        data.pop("init_main_from_path", None)
-        return data
-
-    with _spawn_lock:
-        mp.spawn.get_preparation_data = without_main
-        try:
-            proc.start()
-        finally:
-            mp.spawn.get_preparation_data = original
 
 
 class _Ranks:
@@ -174,16 +150,15 @@ class RankGroup:
         _live.add(self)
         # Port 0: the OS picks a free port and the store holds it, so ranks cannot race for a port.
         ranks.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-        # PR_SET_PDEATHSIG fires when the creating *thread* exits, so use it only from the main thread.
-        pdeathsig = threading.current_thread() is threading.main_thread()
-        ctx = mp.get_context("spawn")  # fork is unsafe once the parent has touched CUDA
+        ctx = rank_start.rank_context()
+        parent, pdeathsig = rank_start.death_watch(ctx)
         try:
             for rank in range(world_size):
                 here, there = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=rank_main, name=f"tplab-rank-{rank}", args=(
                     rank, world_size, self.backend, ranks.store.port, self.timeout, threads, there,
-                    os.getpid(), pdeathsig))
-                _start_without_main(proc)
+                    parent, pdeathsig, dict(os.environ)))
+                rank_start.start(proc)
                 there.close()  # so that a dead rank shows up as EOF on our end
                 ranks.procs.append(proc)
                 ranks.conns.append(here)

@@ -57,11 +57,16 @@ def _watch_parent(parent_pid: int):
     os._exit(1)
 
 
-def rank_main(rank, world_size, backend, port, timeout_s, threads, conn, parent_pid, pdeathsig):
-    """Entry point of a rank process (module level, so spawn finds it without the user's __main__)."""
+def rank_main(rank, world_size, backend, port, timeout_s, threads, conn, parent_pid, pdeathsig, environ):
+    """Entry point of a rank process (module level, so spawn finds it without the user's __main__).
+    ``parent_pid``: the process that started this one, which it dies with (None: whichever forked it,
+    the fork server); ``environ``: the caller's environment when it started the rank."""
+    os.environ.clear()
+    os.environ.update(environ)
     if pdeathsig and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    parent_pid = parent_pid or os.getppid()
+    if os.getppid() != parent_pid or parent_pid == 1:  # the parent died before prctl took effect
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
