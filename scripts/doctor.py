@@ -21,18 +21,19 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
 # Measured on the workbook's reference machine (2 cores of an AMD EPYC shared with other jobs, load
-# average 3.4-5.4, torch 2.13.0+cpu): each notebook's nbval run in a fresh kernel, one notebook at a time
-# (as committed), and this script's two-rank run beside each (median). docs/workshop.md has the table.
-# Estimates for another machine scale by the ratio of its two-rank run to this one.
-REFERENCE_RANKS_SECONDS = 4.1
+# average about 1.3, torch 2.13.0+cpu, Linux: ranks forked from the fork server): each notebook's nbval
+# run in a fresh kernel, one notebook at a time (as committed), and this script's two-rank run beside each
+# (median). docs/workshop.md has the table. Estimates for another machine scale by the ratio of its
+# two-rank run to this one.
+REFERENCE_RANKS_SECONDS = 1.64
 REFERENCE_NOTEBOOK_SECONDS = {
-    "00_why_tensor_parallel": 21,
-    "01_causal_mask_nan": 39,
-    "02_sharding_column_row": 38,
-    "03_rope_shapes": 28,
-    "04_gqa_kv_cache": 45,
-    "05_paged_attention": 19,
-    "06_full_tp_generation": 55,
+    "00_why_tensor_parallel": 16,
+    "01_causal_mask_nan": 15,
+    "02_sharding_column_row": 24,
+    "03_rope_shapes": 25,
+    "04_gqa_kv_cache": 16,
+    "05_paged_attention": 21,
+    "06_full_tp_generation": 24,
 }
 SLOW_SECONDS = 120            # a notebook a room waits on longer than this gets named
 # Notebook 06 at its peak (kernel, HF's model, TP 1/2/4 ranks): 2.3 GiB PSS, 3.4 GiB summed RSS, measured

@@ -75,8 +75,8 @@ _groups: dict[int, RankGroup] = {}
 
 
 def kept_ranks(tp: int, timeout: float) -> RankGroup:
-    """``tp`` gloo ranks kept from one check to the next (starting them costs seconds); a group that a
-    failure closed is replaced. They end with this process."""
+    """``tp`` gloo ranks kept from one check to the next (where ranks are spawned, starting them costs
+    seconds); a group that a failure closed is replaced. They end with this process."""
     group = _groups.get(tp)
     if group is None or group.closed:
         group = _groups[tp] = RankGroup(tp, backend="gloo", timeout=timeout)
