@@ -1,5 +1,6 @@
 """Shared fixtures: random Qwen2 checkpoints of several shapes, HF references, tolerances by dtype."""
 import os
+import signal
 
 import pytest
 import torch
@@ -63,3 +64,12 @@ def no_kept_ranks_after_a_module():
     yield
     from tplab.teaching.exercises.in_engine import close_kept_ranks
     close_kept_ranks()
+
+
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C raises KeyboardInterrupt in this process during the test, also where it was started with
+    SIGINT ignored (a background job of a shell without job control), which Python then leaves as is."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

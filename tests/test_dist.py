@@ -227,7 +227,7 @@ def test_hanging_rank_times_out_naming_the_silent_ranks(no_new_children):
         assert time.monotonic() - start < 1.5 + 4  # + SIGTERM grace and joins
 
 
-def test_ctrl_c_while_waiting_stops_the_ranks_and_reraises(no_new_children):
+def test_ctrl_c_while_waiting_stops_the_ranks_and_reraises(no_new_children, sigint_raises):
     group = RankGroup(2, timeout=60)
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
     start = time.monotonic()

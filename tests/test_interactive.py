@@ -1,9 +1,10 @@
-"""plotting.interact: the live widget and a static picture of its first state, drawn once."""
+"""plotting.interact: the live widget and a static picture of its first state, drawn once; and the token figure."""
 import matplotlib
 import matplotlib.pyplot as plt
 import ipywidgets
 import pytest
 
+from tplab.teaching import plotting
 from tplab.teaching.interactive import WIDGET_VIEW, PictureInteractive, render
 
 matplotlib.use("Agg")
@@ -66,3 +67,16 @@ def test_a_broken_first_state_fails_the_cell_later_ones_show_the_error():
     w = PictureInteractive(fn, x=ipywidgets.IntSlider(value=1))
     w.kwargs_widgets[0].value = 2
     assert w.out.outputs[0]["name"] == "stderr" and "bad x 2" in w.out.outputs[0]["text"]
+
+
+def test_token_figure_wraps_lines_and_colours_each_piece():
+    from matplotlib.colors import to_rgba
+    fig = plotting.token_figure(["ab", "cd\nef", "g" * 7, "h"], [None, "red", "green", None], "t", chars=8)
+    ax = fig.axes[0]
+    placed = [(t.get_position(), t.get_text(), t.get_bbox_patch()) for t in ax.texts]
+    assert [(pos, text) for pos, text, _ in placed] == [
+        ((0, 0), "ab"), ((2, 0), "cd"), ((0, 1), "ef"),   # the newline inside a piece starts a line
+        ((0, 2), "ggggggg"), ((7, 2), "h")]                # 2 + 7 > 8 characters: a new line; 7 + 1 fits
+    assert [box.get_facecolor() if box else None for *_, box in placed] == [
+        None, to_rgba("red"), to_rgba("red"), to_rgba("green"), None]
+    plt.close(fig)

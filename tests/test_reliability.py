@@ -73,7 +73,7 @@ def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint):
         assert fresh.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids
 
 
-def test_keyboard_interrupt_stops_the_ranks(slow_checkpoint):
+def test_keyboard_interrupt_stops_the_ranks(slow_checkpoint, sigint_raises):
     llm = LLM(slow_checkpoint, tensor_parallel_size=2)
     pids = rank_pids(llm)
     threading.Timer(1.0, _thread.interrupt_main).start()

@@ -77,6 +77,28 @@ def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", t
     return fig
 
 
+def token_figure(pieces: list[str], colors: list, title: str, chars: int = 96, fontsize: float = 8):
+    """Text drawn piece by piece (tokens, say) in monospace lines of at most ``chars`` characters, each
+    piece on its own background colour (None: no background), under ``title``. Returns the figure."""
+    placed, row, col = [], 0, 0
+    for piece, color in zip(pieces, colors):
+        for i, part in enumerate(piece.split("\n")):
+            if i or (col and col + len(part) > chars):           # a newline in the piece, or a full line
+                row, col = row + 1, 0
+            placed.append((col, row, part, color))
+            col += len(part)
+    fig = plt.figure(figsize=(FIGSIZE[0], 0.5 + 0.22 * (row + 1)), dpi=DPI)
+    ax = fig.add_axes((0.02, 0.02, 0.96, 1 - 0.4 / fig.get_figheight()))
+    for x, y, part, color in placed:
+        box = dict(facecolor=color, edgecolor="none", pad=0.6) if color else None
+        ax.text(x, y, part, family="monospace", fontsize=fontsize, va="center", bbox=box)
+    ax.set_xlim(0, chars)
+    ax.set_ylim(row + 0.6, -0.6)
+    ax.axis("off")
+    ax.set_title(title, fontsize=9)
+    return fig
+
+
 def interact(fn, **controls) -> None:
     """``ipywidgets.interact(fn, **controls)`` that also saves a static picture of ``fn``'s first
     state, so the cell shows a figure on GitHub and before the kernel runs; ``fn`` draws once per
