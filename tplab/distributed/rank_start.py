@@ -29,8 +29,8 @@ def rank_context():
 def death_watch(ctx) -> tuple[int | None, bool]:
     """``(parent_pid, pdeathsig)`` for ``rank_main``: the process a rank dies with is the one that forks
     it (None: the fork server, whose pid the caller does not know), and whether PR_SET_PDEATHSIG may be
-    used. It fires when the forking *thread* exits: the fork server's only thread; under spawn, the
-    caller's, so there only from its main thread."""
+    used. It fires when the forking *thread* exits: the fork server's main thread, which forks every
+    rank and lives as long as the server; under spawn, the caller's, so there only from its main thread."""
     if ctx.get_start_method() == "forkserver":
         return None, True
     return os.getpid(), threading.current_thread() is threading.main_thread()
