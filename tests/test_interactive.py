@@ -80,3 +80,5 @@ def test_token_figure_wraps_lines_and_colours_each_piece():
     assert [box.get_facecolor() if box else None for *_, box in placed] == [
         None, to_rgba("red"), to_rgba("red"), to_rgba("green"), None]
     plt.close(fig)
+    with pytest.raises(ValueError, match="one colour per piece: got 2 pieces and 1 colours"):
+        plotting.token_figure(["a", "b"], [None], "t")

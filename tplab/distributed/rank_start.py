@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 
-_spawn_lock = threading.Lock()
+_start_lock = threading.Lock()
 
 
 def rank_context():
@@ -48,7 +48,7 @@ def start(proc) -> None:
         data.pop("init_main_from_path", None)
         return data
 
-    with _spawn_lock:
+    with _start_lock:
         mp.spawn.get_preparation_data = without_main
         try:
             proc.start()

@@ -80,6 +80,8 @@ def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", t
 def token_figure(pieces: list[str], colors: list, title: str, chars: int = 96, fontsize: float = 8):
     """Text drawn piece by piece (tokens, say) in monospace lines of at most ``chars`` characters, each
     piece on its own background colour (None: no background), under ``title``. Returns the figure."""
+    if len(pieces) != len(colors):
+        raise ValueError(f"one colour per piece: got {len(pieces)} pieces and {len(colors)} colours")
     placed, row, col = [], 0, 0
     for piece, color in zip(pieces, colors):
         for i, part in enumerate(piece.split("\n")):
