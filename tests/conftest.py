@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from tplab import models
+from tplab.teaching import tolerance
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# One place for tolerances: max abs difference allowed against HF, by dtype.
-ATOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# How close to HF is close enough lives in one place, tplab.teaching.tolerance (relative to each
+# activation's size and the dtype's rounding); hf_greedy hands tests the bound for its logprobs.
 
 # Random checkpoints the parity tests run on; each stresses one sharding case.
 CONFIGS = {
@@ -48,13 +49,25 @@ def hf_model():
     return load
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+class Greedy(tuple):
+    """``(tokens, logprobs)`` of HF's greedy output, and ``.bound``: how far tplab's logprobs may be
+    from these (``tolerance.logprob_bound`` of HF's logits over the prompt and output)."""
+
+    def __new__(cls, tokens, logprobs, bound):
+        self = super().__new__(cls, (tokens, logprobs))
+        self.bound = bound
+        return self
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> Greedy:
     """HF ``generate`` greedy tokens for one prompt, and their logprobs from one HF forward."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens)[0, len(prompt):].tolist()
-        logprobs = model(torch.tensor([prompt + out])).logits[0].float().log_softmax(-1)
-    return out, [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
+        logits = model(torch.tensor([prompt + out])).logits[0].float()
+    logprobs = logits.log_softmax(-1)
+    return Greedy(out, [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)],
+                  tolerance.logprob_bound(logits))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -60,7 +60,7 @@ def test_decode_position_offby1_is_refused_and_would_change_the_logits(checkpoin
             llm.generate([PROMPT[:5]], GREEDY)
     hf_last = reference["logits"][-1]
     right, shifted = (bugs.decode_with_positions(checkpoint("untied"), PROMPT, s) for s in (0, 1))
-    assert (right - hf_last).abs().max() <= 1e-4 < (shifted - hf_last).abs().max()
+    assert (right - hf_last).abs().max() <= golden.bound(hf_last) < (shifted - hf_last).abs().max() / 100
 
 
 @pytest.mark.parametrize("name", ["gqa", "untied"])                 # tied and untied checkpoints
@@ -132,7 +132,7 @@ def test_lm_head_random_is_exact_through_the_last_norm_and_wrong_at_the_logits(c
     acts = {tp: golden.tplab_activations(folder, PROMPT, tp, bugs=["lm_head_random"]) for tp in (1, 2)}
     rows = golden.compare(reference, acts[2])
     assert golden.first_divergence(rows) == "logits" and rows[-1].nonfinite == 0
-    assert (acts[1]["logits"] - acts[2]["logits"]).abs().max() <= 1e-4     # the same random head at every TP size
+    assert golden.tolerance.within(acts[2]["logits"], acts[1]["logits"])   # the same random head at every TP size
     with LLM(folder, tensor_parallel_size=2, bugs=["lm_head_random"]) as llm:
         out = llm.generate([PROMPT], GREEDY)[0]
     assert out.token_ids != hf_greedy(hf_model(folder), PROMPT, GREEDY.max_tokens)[0]
@@ -160,6 +160,6 @@ def test_no_mask_with_cache_is_harmless_for_decode_and_wrong_after_a_prefix_cach
             runs[caching] = llm.generate(prompts, GREEDY), llm.stats()["prefix_cache_hit_blocks"]
     (outs, hits), (cached, cached_hits) = runs[False], runs[True]
     assert hits == 0 and [o.token_ids for o in outs] == [t for t, _ in want]     # one-token decode steps: exact
-    assert max(abs(a - b) for o, (_, lp) in zip(outs, want) for a, b in zip(o.logprobs, lp)) <= 1e-4
+    assert all(abs(a - b) <= w.bound for o, w in zip(outs, want) for a, b in zip(o.logprobs, w[1]))
     assert cached_hits == 2 and cached[0].token_ids == want[0][0]               # the first request: no hit
     assert max(abs(a - b) for a, b in zip(cached[1].logprobs, want[1][1])) > 1e-2  # the hit: 5 new tokens unmasked

@@ -1,5 +1,5 @@
 """Chunked prefill: prompts longer than the step's token budget are split over steps, mixed with the
-decodes of other sequences, and the output is still HF's (greedy tokens, logprobs within 1e-4)."""
+decodes of other sequences, and the output is still HF's (greedy tokens, logprobs within the fp32 bound)."""
 import pytest
 import torch
 
@@ -19,9 +19,10 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def assert_matches_hf(outs, reference, prompts):
-    for out, (tokens, logprobs), prompt in zip(outs, reference, prompts):
+    for out, ref, prompt in zip(outs, reference, prompts):
+        tokens, logprobs = ref
         assert out.token_ids == tokens, f"tokens differ from HF for a prompt of {len(prompt)} tokens"
-        assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) <= 1e-4
+        assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) <= ref.bound
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_8k_prompt_in_chunks_matches_hf(long_checkpoint, hf_model, tp):
             llm._worker.engine.model.register_forward_pre_hook(lambda m, args: fed.append(args[0].numel()))
         out = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert out.token_ids == ref[0]
-    assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
     if tp == 1:
         assert max(fed) == 1000 and len(fed) == 9 + 3               # 8 chunks of 1000 + 192, then 3 decodes
 

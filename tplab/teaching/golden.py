@@ -3,7 +3,8 @@
 Both models use HF's module names (``model.layers.3.self_attn`` ...), so one list of
 names addresses both. Activations are taken for one prompt in one prefill, as
 ``(T, E)`` tensors (logits ``(T, vocab)``); at TP > 1 tplab's come from rank 0,
-after the all-reduces, so they are full-width and comparable with HF's.
+after the all-reduces, so they are full-width and comparable with HF's. How close is close enough is
+``tplab.teaching.tolerance``'s: relative to each activation's size and the dtype's rounding.
 """
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ import torch
 
 from tplab.distributed.launcher import launch, rank_device
 from tplab.engine.probe import capture, load_model, probe
+from tplab.teaching import tolerance
+from tplab.teaching.tolerance import bound, logprob_bound  # noqa: F401  (what notebooks call)
 
 SUBLAYERS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -59,45 +62,58 @@ class Diff:
     name: str
     max_abs: float      # max |mine - ref|; inf when mine has NaN or inf
     nonfinite: int      # entries of mine that are NaN or inf
+    bound: float = 0.0  # how far mine may be from ref: tolerance.bound(ref), relative to ref's size
 
-    def line(self, tol: float) -> str:
-        verdict = "ok" if self.max_abs <= tol else "DIFF"
+    @property
+    def ok(self) -> bool:
+        return self.max_abs <= self.bound   # NaN and inf never are
+
+    def line(self) -> str:
         extra = f" | {self.nonfinite} non-finite" if self.nonfinite else ""
-        return f"{self.name:<40} | max_abs {self.max_abs:.1e}{extra} | {verdict}"
+        return f"{self.name:<40} | max_abs {self.max_abs:.1e} | bound {self.bound:.0e}{extra} | {'ok' if self.ok else 'DIFF'}"
 
 
-def compare(ref: dict[str, torch.Tensor], mine: dict[str, torch.Tensor]) -> list[Diff]:
-    """Per activation name (in ``ref``'s order), the max abs difference of ``mine`` from ``ref``."""
+def compare(ref: dict[str, torch.Tensor], mine: dict[str, torch.Tensor], dtype=torch.float32) -> list[Diff]:
+    """Per activation name (in ``ref``'s order), the max abs difference of ``mine`` from ``ref``, and the
+    bound it must keep (``tolerance.bound``: relative to that activation's size and ``dtype``'s rounding)."""
     rows = []
     for name, r in ref.items():
         m = mine[name]
         if m.shape != r.shape:
             raise ValueError(f"{name}: shapes differ, mine {tuple(m.shape)} vs reference {tuple(r.shape)}")
         bad = int((~torch.isfinite(m)).sum())
-        rows.append(Diff(name, float("inf") if bad else float((m - r).abs().max()), bad))
+        diff = float("inf") if bad else float((m.float() - r.float()).abs().max())
+        rows.append(Diff(name, diff, bad, tolerance.bound(r, dtype)))
     return rows
 
 
-def report(rows: list[Diff], tol: float = 1e-4) -> bool:
-    """Print one cmp-style line per activation; True when all are within ``tol``."""
+def report(rows: list[Diff]) -> bool:
+    """Print one cmp-style line per activation; True when every one is within its bound."""
     for row in rows:
-        print(row.line(tol))
-    return all(row.max_abs <= tol for row in rows)
+        print(row.line())
+    return all(row.ok for row in rows)
 
 
-def cmp(name: str, mine: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> bool:
-    """Karpathy-style one-line check: ``name | exact | allclose | max_abs | ok``; True when within ``tol``."""
+def cmp(name: str, mine: torch.Tensor, ref: torch.Tensor, dtype=torch.float32, exact: bool = False) -> bool:
+    """Karpathy-style one-line check: ``name | max_abs | bound | ok``; True when ``mine`` is within
+    ``tolerance.bound(ref)`` of ``ref`` (bitwise equal with ``exact=True``, for what is exact on every
+    machine: a lookup, a copy, the same ops in the same order)."""
     mine, ref = mine.detach().float().cpu(), ref.detach().float().cpu()
     if mine.shape != ref.shape:
         print(f"{name} | shapes differ: {tuple(mine.shape)} vs {tuple(ref.shape)} | DIFF")
         return False
     diff = (mine - ref).abs().max().item() if mine.numel() else 0.0
-    exact = torch.equal(mine, ref)
-    ok = diff <= tol  # NaN compares False, so a NaN never passes
-    print(f"{name} | exact {exact} | max_abs {diff:.1e} | {'ok' if ok else 'DIFF'}")
+    limit = 0.0 if exact else tolerance.bound(ref, dtype)
+    ok = diff <= limit  # NaN compares False, so a NaN never passes
+    print(f"{name} | max_abs {diff:.1e} | bound {limit:.0e} | {'ok' if ok else 'DIFF'}")
     return ok
 
 
-def first_divergence(rows: list[Diff], tol: float = 1e-4) -> str | None:
-    """The first activation (in forward order) that differs from the reference by more than ``tol``."""
-    return next((r.name for r in rows if r.max_abs > tol), None)
+def first_divergence(rows: list[Diff]) -> str | None:
+    """The first activation (in forward order) that is further from the reference than its bound."""
+    return next((r.name for r in rows if not r.ok), None)
+
+
+def worst(rows: list[Diff]) -> float:
+    """The largest ``max_abs / bound`` over ``rows``: at most 1 when every activation is within its bound."""
+    return max((r.max_abs / r.bound if r.bound else (0.0 if r.max_abs == 0 else float("inf"))) for r in rows)

@@ -1,7 +1,7 @@
 """Plots the notebooks share: small fixed-size figures, so notebooks stay well under 1 MB.
 
-Every diff plot goes through ``draw_diffs``: a log axis for the finite differences, the tolerance
-as a dashed line, and two bands of their own, "exact (0)" at the bottom and "NaN / inf" at the
+Every diff plot goes through ``draw_diffs``: a log axis for the finite differences, the bound
+(``tplab.golden``) as a dashed line, and two bands of their own, "exact (0)" at the bottom and "NaN / inf" at the
 top, so that neither is drawn at an arbitrary value; the legend sits outside the axes.
 """
 import math
@@ -24,15 +24,16 @@ def short_name(name: str) -> str:
                                                                            "post_ln").replace("input_layernorm", "in_ln")
 
 
-def draw_diffs(ax, series: dict, tol: float | None = 1e-4, xs=None, ylabel: str = "max |tplab - HF|",
+def draw_diffs(ax, series: dict, tol=None, xs=None, ylabel: str = "max |tplab - HF|",
                xlabel: str = "") -> tuple[float, float]:
     """Plot ``series`` (label -> list of differences) on ``ax`` with a log y axis.
 
     Finite positive values are drawn where they are; zeros in an "exact (0)" band below them and
-    NaN/inf (as red crosses) in a "NaN / inf" band above them; ``tol`` is a dashed line. Returns the
-    ``(low, high)`` edges of the finite region."""
+    NaN/inf (as red crosses) in a "NaN / inf" band above them; ``tol`` (one bound, or one per point,
+    as ``golden.Diff.bound``) is a dashed line. Returns the ``(low, high)`` edges of the finite region."""
     values = [v for vs in series.values() for v in vs]
-    finite = [v for v in values if math.isfinite(v) and v > 0] + ([tol] if tol else [])
+    bounds = [] if tol is None else [tol] * len(values) if isinstance(tol, (int, float)) else list(tol)
+    finite = [v for v in values + bounds if math.isfinite(v) and v > 0]
     low = 10 ** math.floor(math.log10(min(finite or [1e-6])))
     high = 10 ** math.ceil(math.log10(max(finite or [1.0]))) * 10
     exact_y, bad_y = low / math.sqrt(BAND), high * math.sqrt(BAND)           # the middle of each band
@@ -45,8 +46,11 @@ def draw_diffs(ax, series: dict, tol: float | None = 1e-4, xs=None, ylabel: str 
         bad = [(xi, bad_y) for xi, v in zip(x, vs) if not math.isfinite(v)]
         if bad:
             ax.plot(*zip(*bad), "x", color="red", ms=6, label=f"{label}: NaN/inf")
-    if tol:
-        ax.axhline(tol, color="k", ls="--", lw=0.8, label=f"tolerance {tol:.0e}")
+    if isinstance(tol, (int, float)) and tol > 0:
+        ax.axhline(tol, color="k", ls="--", lw=0.8, label=f"bound {tol:.0e}")
+    elif bounds:
+        x = list(xs) if xs is not None else list(range(len(bounds)))
+        ax.plot(x, bounds, color="k", ls="--", lw=0.8, drawstyle="steps-mid", label="bound (tplab.golden)")
     ax.set_yscale("log")
     ax.set_ylim(low / BAND, high * BAND)
     inner = range(round(math.log10(low)) + 1, round(math.log10(high)))    # decades between the bands
@@ -61,12 +65,15 @@ def draw_diffs(ax, series: dict, tol: float | None = 1e-4, xs=None, ylabel: str 
     return low, high
 
 
-def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", tol: float | None = 1e-4,
+def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", tol=None,
                      xlabel: str = "sublayer, in forward order", ylabel: str = "max |tplab - HF|"):
     """One line per run (label -> list of ``golden.Diff``): max abs diff against HF per sublayer, on a
-    log scale, with the tolerance line and the exact and NaN/inf bands of ``draw_diffs``."""
+    log scale, with each sublayer's bound (the first run's, unless ``tol`` is given) as a dashed line
+    and the exact and NaN/inf bands of ``draw_diffs``."""
     fig, ax = figure()
-    names = [d.name for d in next(iter(runs.values()))]
+    first = next(iter(runs.values()))
+    names = [d.name for d in first]
+    tol = [d.bound for d in first] if tol is None else tol
     draw_diffs(ax, {label: [d.max_abs for d in rows] for label, rows in runs.items()}, tol,
                ylabel=ylabel, xlabel=xlabel)
     step = max(1, len(names) // 12)
