@@ -274,11 +274,15 @@ def main():
     for item in args.only.split(","):
         log(f"[peers] {item}")
         rows += ITEMS[item](ckpt, cfg, args.quick)
-    print(f"\n# tplab vs peers: {settings.name}, greedy; {machine['cpu_model']}, {machine['cores']} cores\n")
+    print(f"\n# tplab vs peers: {settings.name}, greedy; {common.machine()}\n")
     print_table(rows)
     out = BENCH / ("results-peers-quick.json" if args.quick else "results.json")
     doc = json.loads(out.read_text()) if out.exists() else {}
-    kept = [r for r in doc.get("peers", {}).get("rows", []) if r["name"] not in {x.name for x in rows}]
+    earlier = doc.get("peers", {})
+    same = common.same_machine(earlier.get("machine", {}), machine)   # rows of another machine are not kept
+    if earlier and not same:
+        log(f"[peers] {out.name} held rows from {earlier.get('machine', {}).get('cpu_model')}: replaced, not merged")
+    kept = [r for r in earlier.get("rows", []) if same and r["name"] not in {x.name for x in rows}]
     doc["peers"] = {"machine": machine, "settings": cfg, "checkpoint": str(ckpt), "rows": kept + rows_to_json(rows),
                     "seconds": time.perf_counter() - t0, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "command": "python bench/peers.py" + (" --quick" if args.quick else "")}

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 from common import Row, Settings, checkpoint, log, machine_info, print_table, rows_to_json  # noqa: E402
+from common import machine as common_machine  # noqa: E402
 
 ITEMS = ["decode", "tp_scaling", "memory", "prefill", "batching"]
 
@@ -67,8 +68,7 @@ def main(argv=None):
         torch.set_num_threads(s.threads)  # in case a module changed it
 
     print(f"\n# tplab benchmarks: {s.name} ({'--quick' if s.quick else 'full'}), fp32, greedy; "
-          f"{s.threads} torch threads in-process; {machine['cpu_model']}, {machine['cores']} cores, "
-          f"torch {machine['torch']}\n")
+          f"{s.threads} torch threads in-process; {common_machine()}\n")
     print_table(rows)
     targets = [r for r in rows if r.target]
     print(f"\ntargets met: {sum(r.met is True for r in targets)} of {len(targets)}"
