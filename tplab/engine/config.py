@@ -81,6 +81,11 @@ def default_batched_tokens(device) -> int:
     return 4096 if torch.device(device).type == "cuda" else 512
 
 
+def _env_flag(name: str) -> bool:
+    """A setting's default from the environment: on unless ``name=0``."""
+    return os.environ.get(name, "1") != "0"
+
+
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -108,6 +113,9 @@ class EngineConfig:
                                         # None: default_batched_tokens(device)
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
+    # how linear layers multiply on CPU (tplab.layers.cpu_gemm); the environment sets the defaults
+    onednn: bool = field(default_factory=lambda: _env_flag("TPLAB_ONEDNN"))
+    pack_weights: bool = field(default_factory=lambda: _env_flag("TPLAB_PACK_WEIGHTS"))
     hf_config: object = field(default=None, repr=False)
 
     def __post_init__(self):

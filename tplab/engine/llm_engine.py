@@ -17,9 +17,8 @@ from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
 from tplab.models.loader import LoadReport
-from tplab.layers.attention import Attention
-from tplab.layers.embed_head import pack_lm_head
-from tplab.layers.linear import pack_linear_weights
+from tplab.layers.attention import kv_cache_shape
+from tplab.layers.cpu_gemm import Gemm, process_weights_after_loading
 from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
 
 
@@ -28,10 +27,11 @@ def eos_token_ids(hf_config) -> frozenset[int]:
     return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
 
 
-def build_model(cfg: EngineConfig, device, tp_rank: int | None = None,
-                tp_size: int | None = None) -> tuple[Qwen2ForCausalLM, LoadReport]:
+def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: int | None = None,
+                pack: bool = True) -> tuple[Qwen2ForCausalLM, LoadReport]:
     """This rank's shard of the model, built from ``cfg.parts``, with its weight slices read from the
-    checkpoint; and what the load read. ``tp_rank``/``tp_size`` default to the process group's."""
+    checkpoint and processed for the config's GEMM (``tplab.layers.cpu_gemm``; ``pack=False`` keeps every
+    weight readable); and what the load read. ``tp_rank``/``tp_size`` default to the process group's."""
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
     if tp_size != cfg.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} but the process group has "
@@ -46,6 +46,7 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None,
     # HF omits a tied lm_head.weight when saving; some checkpoints keep it anyway.
     skip = frozenset({"lm_head.weight"}) if cfg.hf_config.tie_word_embeddings else frozenset()
     report = cfg.parts.load_weights(model, cfg.model, skip=skip)
+    process_weights_after_loading(model, Gemm.choose(cfg.onednn, cfg.pack_weights and pack))
     return model.eval(), report
 
 
@@ -53,9 +54,8 @@ def kv_cache_spec(cfg: EngineConfig, block_size: int | None = None) -> KVCacheSp
     """One rank's KV cache layout, from the config and the attention part's ``kv_cache_shape``."""
     hf = cfg.hf_config
     heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
-    shape_of = getattr(cfg.parts.attention, "kv_cache_shape", Attention.kv_cache_shape)  # optional in a part
     block_size = block_size or cfg.block_size
-    block_shape = tuple(shape_of(1, block_size, heads, kv_heads, head_dim_of(hf)))[1:]
+    block_shape = kv_cache_shape(cfg.parts.attention, 1, block_size, heads, kv_heads, head_dim_of(hf))[1:]
     return KVCacheSpec(hf.num_hidden_layers, block_size, block_shape, cfg.torch_dtype)
 
 
@@ -117,8 +117,6 @@ class LLMEngine:
         self.model, self.load_report = build_model(cfg, self.device)
         if cfg.check_finite:
             install_finite_check(self.model)
-        pack_linear_weights(self.model)    # after loading, as vLLM's CPU backend does: faster matmuls
-        pack_lm_head(self.model.lm_head)
         spec = kv_cache_spec(cfg)
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions)

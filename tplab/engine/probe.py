@@ -19,7 +19,7 @@ import torch
 
 from tplab.engine.config import EngineConfig
 from tplab.engine.llm_engine import build_model
-from tplab.layers.attention import Attention, build_metadata
+from tplab.layers.attention import build_metadata, kv_cache_shape
 from tplab.models.qwen2 import head_dim_of, local_head_counts
 
 
@@ -37,7 +37,7 @@ def load_model(model, tensor_parallel_size: int = 1, *, tp_rank: int | None = No
         cfg = EngineConfig(model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, bugs=bugs,
                            parts=parts, device=str(device))
     tp_size = tensor_parallel_size if tp_rank is not None else None
-    return build_model(cfg, device, tp_rank, tp_size)[0]
+    return build_model(cfg, device, tp_rank, tp_size, pack=False)[0]     # weights stay readable
 
 
 class SequenceCache:
@@ -47,8 +47,7 @@ class SequenceCache:
         config, device = model.config, next(model.parameters()).device
         heads, kv_heads = local_head_counts(config, model.tp_size)
         attention = type(model.model.layers[0].self_attn.attn)           # the layout its attention part uses
-        shape = getattr(attention, "kv_cache_shape", Attention.kv_cache_shape)(
-            1, max_len, heads, kv_heads, head_dim_of(config))
+        shape = kv_cache_shape(attention, 1, max_len, heads, kv_heads, head_dim_of(config))
         dtype = next(model.parameters()).dtype
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in model.model.layers]

@@ -119,9 +119,24 @@ def build_metadata(query_lens: list[int], context_lens: list[int], block_tables:
         decode=decode_blocks(query_lens, context_lens, block_tables, block_size, device))
 
 
-def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """``softmax(q k^T * scale, hidden where not visible) v`` for one sequence, with GQA.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)   # absent in old torch
+
+
+class AttendsDecodesTogether:
+    """An ``attend`` (``Parts.attend``) that also attends every decode token of a step at once, over the
+    blocks the decode sequences hold: ``Attention`` then hands it ``meta.decode`` instead of calling it
+    once per decode sequence. A plain function is called once per sequence, every sequence."""
+
+    def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       decode: DecodeBlocks, scale: float) -> torch.Tensor:
+        """q ``(Bd, H, D)``, one query per decode sequence; caches ``(num_blocks, bs, H_kv, D)`` -> ``(Bd, H, D)``."""
+        raise NotImplementedError
+
+
+class SdpaAttend(AttendsDecodesTogether):
+    """``sdpa_attend(q, k, v, visible, scale)``: ``softmax(q k^T * scale, hidden where not visible) v`` for
+    one sequence, with GQA. tplab's ``Parts.attend``; it also attends every decode token of a step at once
+    (``attend_decodes``: ``tplab.layers.paged_decode``).
 
     q ``(H, Lq, D)``; k, v ``(H_kv, Lk, D)``: query heads ``g * H/H_kv .. (g+1) * H/H_kv - 1``
     share KV head g; visible ``(Lq, Lk)`` bool, ``causal_visible(Lq, Lk)``: the kernels below rely on
@@ -134,19 +149,27 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torc
     uses SDPA's ``is_causal``, the same mask, which lets the kernel skip the hidden blocks; a chunk
     after cached keys is split in two (``_cached_then_causal``) for the same reason.
     """
-    lk, d = k.shape[1:]
-    if q.shape[1] == 1:
-        return one_query_attention(q, k, v, scale).view(-1, 1, d)  # (H, 1, D)
-    if q.shape[1] < lk and q.device.type == "cpu" and _FLASH_CPU is not None:
-        return _cached_then_causal(q, k, v, scale)
-    causal = q.shape[1] == lk
-    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                          attn_mask=None if causal else visible, is_causal=causal,
-                                          scale=scale, enable_gqa=True)[0]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        lk, d = k.shape[1:]
+        if q.shape[1] == 1:
+            return one_query_attention(q, k, v, scale).view(-1, 1, d)  # (H, 1, D)
+        if q.shape[1] < lk and q.device.type == "cpu" and _FLASH_CPU is not None:
+            return _cached_then_causal(q, k, v, scale)
+        causal = q.shape[1] == lk
+        return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                              attn_mask=None if causal else visible, is_causal=causal,
+                                              scale=scale, enable_gqa=True)[0]
+
+    def attend_decodes(self, q, k_cache, v_cache, decode, scale):
+        return paged_decode(q, k_cache, v_cache, decode, scale)
+
+    def __repr__(self):
+        return "sdpa_attend"
 
 
-sdpa_attend.paged_decode = paged_decode   # lets Attention attend every decode token of a step at once
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+sdpa_attend = SdpaAttend()   # tplab's Parts.attend: softmax(q k^T * scale, causal) v, GQA, decodes together
 
 
 def _cached_then_causal(q, k, v, scale):
@@ -170,9 +193,9 @@ class Attention(nn.Module):
     ``Attention(num_heads, num_kv_heads, head_dim, attend=sdpa_attend)``: this rank's H query heads
     and H_kv KV heads (``H`` a multiple of ``H_kv``), each of ``head_dim`` D; ``attend`` is
     ``Parts.attend``, called once per sequence per step (see ``sdpa_attend`` for its contract), except
-    that an ``attend`` with a ``paged_decode`` attribute (tplab's own) gets the decode tokens of all
-    sequences at once (``tplab.layers.paged_decode``, from ``meta.decode``): the same maths in a dozen
-    ops per layer instead of a few per sequence. A replacement ``attend`` sees every sequence.
+    that an ``attend`` that is ``AttendsDecodesTogether`` (tplab's own) gets the decode tokens of all
+    sequences at once (its ``attend_decodes``, from ``meta.decode``): the same maths in a dozen ops per
+    layer instead of a few per sequence. A plain function sees every sequence.
 
     ``forward(q, k, v, kv_cache, meta)``:
       - q ``(T, H, D)``, k and v ``(T, H_kv, D)``: the step's new tokens, RoPE already applied;
@@ -203,14 +226,15 @@ class Attention(nn.Module):
         k_cache, v_cache = (c.flatten(0, 1) for c in kv_cache)      # (num_slots, H_kv, D) views
         k_cache.index_copy_(0, meta.slot_mapping, k)                # store the KV heads, not repeated ones
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        batched = getattr(self.attend, "paged_decode", None) if meta.decode is not None else None
-        if batched is not None and len(meta.decode.seqs) == q.shape[0]:   # every token a decode: no gather
-            return batched(q, *kv_cache, meta.decode, self.scale).flatten(1)
+        together = meta.decode is not None and isinstance(self.attend, AttendsDecodesTogether)
+        if together and len(meta.decode.seqs) == q.shape[0]:       # every token a decode: no gather
+            return self.attend.attend_decodes(q, *kv_cache, meta.decode, self.scale).flatten(1)
         out = torch.empty_like(q)                                   # (T, H, D)
-        if batched is not None:                                     # tplab's attend: all decodes at once
+        if together:                                                # all decodes at once
             rows = meta.decode.token_index                          # (Bd,)
-            out.index_copy_(0, rows, batched(q.index_select(0, rows), *kv_cache, meta.decode, self.scale))
-        skip = set(meta.decode.seqs) if batched is not None else ()
+            out.index_copy_(0, rows, self.attend.attend_decodes(q.index_select(0, rows), *kv_cache, meta.decode,
+                                                                self.scale))
+        skip = set(meta.decode.seqs) if together else ()
         qs = meta.query_start_loc
         for b in range(meta.num_seqs):
             if b in skip:
@@ -222,3 +246,12 @@ class Attention(nn.Module):
                             meta.visible[b], self.scale)                           # -> (H, Lq, D)
             out[qs[b]:qs[b + 1]] = o.transpose(0, 1)
         return out.flatten(1)                                       # (T, H * D)
+
+
+def kv_cache_shape(attention: type, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, ...]:
+    """One layer's K (and V) cache shape for the attention part ``attention`` (a class): its own
+    ``kv_cache_shape`` when it is an ``Attention`` (which may declare another layout), else tplab's
+    ``(num_blocks, block_size, H_kv, D)``, which any part written to ``Attention``'s contract reads."""
+    shape_of = attention.kv_cache_shape if issubclass(attention, Attention) else Attention.kv_cache_shape
+    return tuple(shape_of(num_blocks, block_size, num_heads, num_kv_heads, head_dim))
