@@ -14,7 +14,7 @@ import torch
 
 from tplab.engine.sampling import sample
 from tplab.engine.sequence import Sequence
-from tplab.engine.metadata import MetadataBuilder
+from tplab.layers.metadata import MetadataBuilder
 
 
 def token_positions(seq: Sequence) -> list[int]:
@@ -64,7 +64,10 @@ class ModelRunner:
     def step(self, seqs: list[Sequence]) -> list[tuple[int, float] | None]:
         """Feed each sequence its ``num_scheduled_tokens`` next tokens; sample one token for each sequence
         whose tokens are now all cached: ``[(token, logprob)]``, None for a prompt chunk that is not the last."""
-        meta = self.metadata.build(seqs, self.positions)
+        meta = self.metadata.build([s.num_new_tokens for s in seqs],
+                                   [s.num_cached_tokens + s.num_new_tokens for s in seqs],
+                                   [s.block_table for s in seqs], [p for s in seqs for p in self.positions(s)],
+                                   [s.seq_id for s in seqs])
         input_ids = torch.tensor([t for s in seqs for t in s.new_token_ids()], device=self.device)   # (T,)
         hidden = self.model(input_ids, self.kv_caches, meta)                                           # (T, E)
         for seq in seqs:

@@ -19,7 +19,8 @@ import torch
 
 from tplab.engine.config import EngineConfig
 from tplab.engine.llm_engine import build_model
-from tplab.layers.attention import build_metadata, kv_cache_shape
+from tplab.layers.attention import kv_cache_shape
+from tplab.layers.metadata import build_metadata
 from tplab.models.qwen2 import head_dim_of, local_head_counts
 
 

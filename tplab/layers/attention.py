@@ -15,108 +15,12 @@ Shape legend: T new tokens in the step, B sequences, Lq new tokens of one sequen
 keys (cached + new, ``Lk >= Lq``), N the keys of all B sequences, H query heads and H_kv KV
 heads on this rank, D head_dim.
 """
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.layers.paged_decode import DecodeBlocks, decode_blocks, one_query_attention, paged_decode
-
-
-@dataclass
-class AttentionMetadata:
-    """Where a step's new tokens go in the cache, and which keys each sequence reads. Built once
-    per step (``build_metadata``) and read by every layer.
-
-    Sequence b owns new tokens ``query_start_loc[b]:query_start_loc[b + 1]`` of the T packed
-    tokens, and its keys are ``kv_slots[kv_start_loc[b]:kv_start_loc[b + 1]]``: the cache slots of
-    its positions ``0 .. seq_lens[b] - 1``, in order (its cached tokens, then this step's).
-    """
-    positions: torch.Tensor       # (T,) long: position of each new token in its sequence (RoPE's angle)
-    slot_mapping: torch.Tensor    # (T,) long: cache slot each new token's K/V is written to
-    query_start_loc: list[int]    # B + 1 ints: where each sequence's new tokens start; the last is T
-    seq_lens: list[int]           # B ints: each sequence's length after this step (its Lk)
-    kv_slots: torch.Tensor        # (N,) long: every sequence's key slots, packed; N = sum(seq_lens)
-    kv_start_loc: list[int]       # B + 1 ints: where each sequence's keys start in kv_slots; the last is N
-    visible: list[torch.Tensor]   # B bool masks (Lq, Lk): causal_visible(Lq, Lk), True = may attend
-    decode: DecodeBlocks | None = None  # the blocks of the sequences with one new token, for paged_decode
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
-    def query_lens(self) -> list[int]:
-        """New tokens of each sequence (its Lq)."""
-        return [b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])]
-
-    def seq_kv_slots(self, b: int) -> torch.Tensor:
-        """``(Lk,)`` the cache slots of sequence b's keys, position 0 first."""
-        return self.kv_slots[self.kv_start_loc[b]:self.kv_start_loc[b + 1]]
-
-
-def causal_visible(query_len: int, context_len: int, device=None) -> torch.Tensor:
-    """``(Lq, Lk)`` booleans: the ``Lq`` queries are the last of ``Lk`` positions, so query i sits at
-    position ``Lk - Lq + i`` and sees keys ``j <= Lk - Lq + i`` (a decode step, ``Lq = 1``, sees all).
-
-    Booleans, applied with ``masked_fill``/``where`` (or SDPA's bool mask), never ``ones * -inf``:
-    IEEE says ``0 * -inf = NaN``, and one NaN in a score row turns the whole softmax row into NaN.
-    Every row has a True (its own position), so no row is all ``-inf`` either.
-    """
-    i = torch.arange(query_len, device=device)[:, None]             # (Lq, 1)
-    j = torch.arange(context_len, device=device)[None, :]           # (1, Lk)
-    return j <= (context_len - query_len) + i
-
-
-def _checked_positions(positions, expected: torch.Tensor, seq_of_token: torch.Tensor) -> torch.Tensor:
-    """The caller's positions, when they equal the number of tokens cached before each one."""
-    if positions is None:
-        return expected
-    positions = torch.as_tensor(positions, dtype=torch.long)
-    if not torch.equal(positions, expected):
-        t = int((positions != expected).nonzero()[0])
-        raise ValueError(f"token {t} of the step (sequence {int(seq_of_token[t])}) has position "
-                         f"{int(positions[t])} but {int(expected[t])} tokens are cached before it: "
-                         "positions must count the tokens already in the KV cache")
-    return positions
-
-
-def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                   block_size: int, device: torch.device, positions: list[int] | None = None) -> AttentionMetadata:
-    """Metadata for B sequences whose last ``query_lens[b]`` of ``context_lens[b]`` tokens are new
-    this step, their K/V in the blocks ``block_tables[b]``.
-
-    ``positions`` (packed, one per new token), when the caller tracks them itself, are checked
-    against the cache: a new token's position must equal the number of tokens before it, or RoPE
-    and the cache slots would disagree silently.
-    """
-    if len(query_lens) != len(context_lens) or not query_lens:
-        raise ValueError(f"need one query_len and one context_len per sequence, got {query_lens} / {context_lens}")
-    if any(not 1 <= q <= c for q, c in zip(query_lens, context_lens)):
-        raise ValueError(f"each sequence needs 1 <= query_len <= context_len, got {query_lens} / {context_lens}")
-    for b, (c, table) in enumerate(zip(context_lens, block_tables)):
-        if len(table) * block_size < c:
-            raise ValueError(f"sequence {b} has {c} tokens but {len(table)} blocks of {block_size} slots")
-    offsets = torch.arange(block_size)
-    kv_slots = torch.cat([(torch.tensor(t)[:, None] * block_size + offsets).flatten()[:c]    # (Lk_b,) each
-                          for t, c in zip(block_tables, context_lens)])                      # (N,)
-    kv_start = [0]
-    for c in context_lens:
-        kv_start.append(kv_start[-1] + c)
-    # the new tokens of sequence b are its last query_lens[b] keys
-    new_keys = torch.cat([torch.arange(s + c - q, s + c) for s, q, c in zip(kv_start, query_lens, context_lens)])
-    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # (T,)
-    expected = new_keys - torch.tensor(kv_start[:-1])[seq_of_token]                                  # (T,)
-    positions = _checked_positions(positions, expected, seq_of_token)
-    q_start = [0]
-    for q in query_lens:
-        q_start.append(q_start[-1] + q)
-    to = lambda t: t.to(device, non_blocking=True)
-    return AttentionMetadata(
-        positions=to(positions), slot_mapping=to(kv_slots[new_keys]), query_start_loc=q_start,
-        seq_lens=list(context_lens), kv_slots=to(kv_slots), kv_start_loc=kv_start,
-        visible=[causal_visible(q, c, device) for q, c in zip(query_lens, context_lens)],
-        decode=decode_blocks(query_lens, context_lens, block_tables, block_size, device))
+from tplab.layers.metadata import AttentionMetadata, build_metadata, causal_visible  # noqa: F401 (their old home)
+from tplab.layers.paged_decode import DecodeBlocks, one_query_attention, paged_decode
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)   # absent in old torch
