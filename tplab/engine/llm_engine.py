@@ -37,7 +37,7 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
         raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} but the process group has "
                          f"{tp_size} ranks")
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(cfg.torch_dtype)  # parameters are created in the target dtype, on the device
+    torch.set_default_dtype(cfg.dtype)  # parameters are created in the target dtype, on the device
     try:
         with torch.device(device):
             model = Qwen2ForCausalLM(cfg.hf_config, cfg.parts, tp_rank, tp_size)
@@ -56,7 +56,7 @@ def kv_cache_spec(cfg: EngineConfig, block_size: int | None = None) -> KVCacheSp
     heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
     block_size = block_size or cfg.block_size
     block_shape = kv_cache_shape(cfg.parts.attention, 1, block_size, heads, kv_heads, head_dim_of(hf))[1:]
-    return KVCacheSpec(hf.num_hidden_layers, block_size, block_shape, cfg.torch_dtype)
+    return KVCacheSpec(hf.num_hidden_layers, block_size, block_shape, cfg.dtype)
 
 
 def kv_cache_budget(device: torch.device, tp_size: int) -> int:
@@ -110,7 +110,7 @@ class LLMEngine:
 
     def __init__(self, cfg: EngineConfig, device):
         self.cfg, self.device = cfg, torch.device(device)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and cfg.malloc_tune:
             keep_freed_memory()            # activations reuse mapped pages instead of faulting in new ones
         if dist.is_initialized():
             init_tp_comm()                 # under torchrun; a rank from tplab.launch has done it already

@@ -72,6 +72,9 @@ class SdpaAttend(AttendsDecodesTogether):
     def __repr__(self):
         return "sdpa_attend"
 
+    def __reduce__(self):
+        return "sdpa_attend"       # pickled by name: a rank gets the one instance, and Parts() equals its own
+
 
 sdpa_attend = SdpaAttend()   # tplab's Parts.attend: softmax(q k^T * scale, causal) v, GQA, decodes together
 
