@@ -115,12 +115,9 @@ def test_incremental_metadata_equals_build_metadata():
             assert meta.decode.seqs == ref.decode.seqs
             for field in ("token_index", "blocks", "block_seq", "num_blocks", "hidden"):
                 assert torch.equal(getattr(meta.decode, field), getattr(ref.decode, field)), field
-        for seq in batch:                                           # what the runner and engine do
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            if seq.num_cached_tokens == len(seq):
-                seq.append(1, 0.0, frozenset(), 10 ** 6)
-                if seq.finished:
-                    scheduler.finish(seq)
+        # the runner's answer: a token for each sequence whose tokens are all fed by this step
+        scheduler.postprocess(batch, [(1, 0.0) if s.num_cached_tokens + s.num_new_tokens == len(s) else None
+                                      for s in batch])
         steps += 1
     assert steps > 10
 

@@ -120,13 +120,13 @@ class LLMEngine:
         spec = kv_cache_spec(cfg)
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions)
-        self.eos_ids = eos_token_ids(cfg.hf_config)
-        self.max_model_len = cfg.hf_config.max_position_embeddings
         self.block_manager = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size,
                                                      cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens or default_batched_tokens(self.device))
+                                   cfg.max_num_batched_tokens or default_batched_tokens(self.device),
+                                   eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
         self.num_steps = 0
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False) -> list[Sequence]:
         """Serve every prompt with continuous batching; returns the finished sequences in prompt order.
         ``use_tqdm``: rank 0 draws a progress bar on stderr (the driver's, which the ranks share)."""
@@ -137,15 +137,10 @@ class LLMEngine:
         self.runner.metadata.clear()           # sequence ids start again at 0 in every call
         while self.scheduler.has_work():
             batch = self.scheduler.schedule()
-            for seq, sampled in zip(batch, self.runner.step(batch)):
-                if sampled is None:             # a prompt chunk that is not its last: nothing to sample yet
-                    continue
-                seq.append(*sampled, self.eos_ids, self.max_model_len)
-                if seq.finished:
-                    self.scheduler.finish(seq)
-                    self.runner.forget(seq)
-                    if bar is not None:
-                        bar.finished(seq)
+            for seq in self.scheduler.postprocess(batch, self.runner.step(batch)):
+                self.runner.forget(seq)
+                if bar is not None:
+                    bar.finished(seq)
             self.num_steps += 1
         if bar is not None:
             bar.close()
