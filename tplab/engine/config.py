@@ -96,7 +96,7 @@ def _positive_int(name: str, value) -> None:
 def plain_config(hf_config):
     """The checkpoint config's numbers in a plain namespace: what the engine reads, picklable as is, and
     a rank that receives it needs no transformers import (a second or more of start-up each)."""
-    return SimpleNamespace(**hf_config.to_dict()) if hasattr(hf_config, "to_dict") else hf_config
+    return hf_config if isinstance(hf_config, SimpleNamespace) else SimpleNamespace(**hf_config.to_dict())
 
 
 @dataclass(frozen=True, kw_only=True)
