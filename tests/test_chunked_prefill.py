@@ -6,7 +6,7 @@ import torch
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, models
 from tplab.engine.block_manager import BlockManager
-from tplab.engine.metadata import MetadataBuilder
+from tplab.layers.metadata import MetadataBuilder
 from tplab.engine.model_runner import token_positions
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
@@ -93,7 +93,8 @@ def test_8k_prompt_in_chunks_matches_hf(long_checkpoint, hf_model, tp):
 
 
 def test_incremental_metadata_equals_build_metadata():
-    """The runner's incremental builder gives ``build_metadata``'s answer at every step of a chunked run."""
+    """The builder that keeps each sequence's slots between steps gives ``build_metadata``'s answer (slots from
+    the block tables) at every step of a chunked run."""
     bm = BlockManager(40, 4, enable_prefix_caching=True)
     scheduler = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=7)
     for i, n in enumerate([9, 3, 14, 2, 9]):
@@ -101,7 +102,9 @@ def test_incremental_metadata_equals_build_metadata():
     builder, steps = MetadataBuilder(4, torch.device("cpu")), 0
     while scheduler.has_work():
         batch = scheduler.schedule()
-        meta = builder.build(batch, token_positions)
+        meta = builder.build([s.num_new_tokens for s in batch], [s.num_cached_tokens + s.num_new_tokens for s in batch],
+                             [s.block_table for s in batch], [p for s in batch for p in token_positions(s)],
+                             [s.seq_id for s in batch])
         ref = build_metadata([s.num_scheduled_tokens for s in batch], [s.num_cached_tokens + s.num_scheduled_tokens
                              for s in batch], [s.block_table for s in batch], 4, torch.device("cpu"))
         for field in ("positions", "slot_mapping", "kv_slots"):
@@ -113,12 +116,9 @@ def test_incremental_metadata_equals_build_metadata():
             assert meta.decode.seqs == ref.decode.seqs
             for field in ("token_index", "blocks", "block_seq", "num_blocks", "hidden"):
                 assert torch.equal(getattr(meta.decode, field), getattr(ref.decode, field)), field
-        for seq in batch:                                           # what the runner and engine do
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            if seq.num_cached_tokens == len(seq):
-                seq.append(1, 0.0, frozenset(), 10 ** 6)
-                if seq.finished:
-                    scheduler.finish(seq)
+        # the runner's answer: a token for each sequence whose tokens are all fed by this step
+        scheduler.postprocess(batch, [(1, 0.0) if s.num_cached_tokens + s.num_new_tokens == len(s) else None
+                                      for s in batch])
         steps += 1
     assert steps > 10
 

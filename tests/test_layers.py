@@ -133,10 +133,9 @@ def test_bad_tp_size_names_the_numbers_and_lists_sizes_that_work(heads, kv, tp, 
         QKVParallelLinear(64, 8, heads, kv, tp_rank=0, tp_size=tp)
 
 
-def test_rope_rows_shared_by_layers_and_a_replacement_rotation_gets_its_own():
-    """tplab's own rotation reuses one lookup of the cos/sin rows for every layer of a step and still
-    rotates by the table's rows; a replacement rotation (a learner's, a pitfall's) gets rows of its
-    own, so one that changes them in place cannot leave tplab's layers with wrong angles."""
+def test_rope_layers_share_the_table_and_a_rotation_gets_rows_of_its_own():
+    """Every layer rotates by the one table's rows; a rotation (a learner's, a pitfall's) gets rows of
+    its own, so one that changes them in place cannot leave the other layers with wrong angles."""
     from tplab.layers.rotary import RotaryEmbedding, apply_rotary
 
     positions, q, k = torch.tensor([3, 5]), torch.randn(2, 2, 8), torch.randn(2, 1, 8)
@@ -156,3 +155,4 @@ def test_rope_rows_shared_by_layers_and_a_replacement_rotation_gets_its_own():
         RotaryEmbedding(8, 64, 10000.0, apply_fn=scribble)(positions, q, k)
         after = ours[1](positions, q, k)
     assert all(torch.equal(a, b) for a, b in zip(after, want))
+    assert ours[0].cos_cached is ours[1].cos_cached                   # one table, not a copy per layer

@@ -1,15 +1,26 @@
-"""Weights packed for oneDNN after loading (``pack_linear_weights``, ``pack_lm_head``, as vLLM's CPU
+"""Weights packed for oneDNN after loading (``process_weights_after_loading``, as vLLM's CPU
 backend does): the same outputs as the plain weights, the plain copy dropped (kept for the tied LM
 head, whose weight is the embedding's), and a part that reads its own ``weight`` left alone."""
 import pytest
 import torch
 
 from tplab.engine.probe import load_model
-from tplab.layers import linear as linear_module
-from tplab.layers.embed_head import ParallelLMHead, pack_lm_head
-from tplab.layers.linear import RowParallelLinear, pack_linear_weights
+from tplab.layers.cpu_gemm import Gemm, packing_available, process_weights_after_loading
+from tplab.layers.embed_head import ParallelLMHead
+from tplab.layers.linear import LinearBase, RowParallelLinear
 
-pytestmark = pytest.mark.skipif(not linear_module._PACK, reason="oneDNN weight packing is not available here")
+pytestmark = pytest.mark.skipif(not packing_available(), reason="oneDNN weight packing is not available here")
+PACKING = Gemm(onednn=True, pack=True)
+
+
+def pack_linear_weights(model):
+    """Process every linear layer (the LM head packs on demand, tested below); how many packed."""
+    return sum(m.process_weights_after_loading(PACKING) for m in model.modules()
+               if isinstance(m, LinearBase))
+
+
+def pack_lm_head(head):
+    return head.process_weights_after_loading(PACKING)
 
 
 def run_layers(model, x):
@@ -64,6 +75,11 @@ def test_the_lm_head_packs_a_copy_when_needed_and_gives_the_same_logits(checkpoi
         assert made == (dtype == "bfloat16" or h.shape[0] >= 3), f"{h.shape[0]} rows of {dtype}: copy made {made}"
     assert model.lm_head.packed_weight.is_mkldnn
     assert model.lm_head.weight is model.model.embed_tokens.weight            # the lookup keeps its rows
+
+
+def test_the_engine_processes_every_gemm_layer(checkpoint):
+    model = load_model(checkpoint("gqa"))
+    assert process_weights_after_loading(model, PACKING) == 4 * model.config.num_hidden_layers + 1   # + the head
 
 
 def test_a_replacement_head_gets_no_packed_copy(checkpoint):

@@ -38,7 +38,7 @@ def test_unknown_names_say_what_exists():
         resolve(["nope"])
     with pytest.raises(ValueError, match=r"parts has unknown field\(s\) \['rowlinear'\]; the fields of tplab.Parts"):
         resolve(parts={"rowlinear": object})
-    assert set(bugs.NAMES) <= set(__import__("tplab.engine.parts", fromlist=["registered"]).registered())
+    assert set(bugs.NAMES) == set(__import__("tplab.engine.parts", fromlist=["known_bugs"]).known_bugs())
 
 
 def test_llm_takes_parts_and_bugs_by_name(checkpoint):

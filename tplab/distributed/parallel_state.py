@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from tplab.distributed.shm_comm import ShmComm, shm_applies
 
+# A cache of the process group's communicator, kept beside torch.distributed's own state of the group:
+# it belongs to the group (set once by init_tp_comm, checked against it at every collective), not to an LLM.
 _tp_comm: ShmComm | None = None   # the shared-memory communicator of _tp_comm_group, where it applies
 _tp_comm_group = None             # the process group init_tp_comm() decided for
 _recorders: list[list] = []       # the lists of the open count_collectives() blocks; usually empty

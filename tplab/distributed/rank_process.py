@@ -57,78 +57,94 @@ def _watch_parent(parent_pid: int):
     os._exit(1)
 
 
-def rank_main(rank, world_size, backend, port, timeout_s, threads, conn, parent_pid, pdeathsig, environ):
-    """Entry point of a rank process (module level, so spawn finds it without the user's __main__).
-    ``parent_pid``: the process that started this one, which it dies with (None: whichever forked it,
-    the fork server); ``environ``: the caller's environment when it started the rank."""
-    os.environ.clear()
-    os.environ.update(environ)
+def _guard_parent(parent_pid: int | None, pdeathsig: bool) -> None:
+    """Die with the parent: at once by PR_SET_PDEATHSIG where asked (Linux), else within a second."""
     if pdeathsig and sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     parent_pid = parent_pid or os.getppid()
     if os.getppid() != parent_pid or parent_pid == 1:  # the parent died before prctl took effect
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
-    send_lock = threading.Lock()
 
-    def send(msg):
+
+def _join_group(rank: int, world_size: int, backend: str, port: int, timeout_s: float, threads: int) -> None:
+    """Join the parent's process group, and decide how collectives travel (``init_tp_comm``)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))  # for code written for torchrun
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    init_tp_comm()
+
+
+class _Server:
+    """A rank's end of the pipe to its parent: it answers calls, and forwards what the rank prints."""
+
+    def __init__(self, conn):
+        self.conn, self.send_lock = conn, threading.Lock()
+        self.out, self.err = _Forward(self.send, "stdout"), _Forward(self.send, "stderr")
+        self.resident = None  # the object RankGroup.create made here, if any
+
+    def send(self, msg) -> None:
         data = cloudpickle.dumps(msg)
         try:
-            with send_lock:  # prints may come from any thread
-                conn.send_bytes(data)
+            with self.send_lock:  # prints may come from any thread
+                self.conn.send_bytes(data)
         except OSError:  # the parent is gone
             os._exit(1)
 
-    sys.stdout, sys.stderr = out, err = _Forward(send, "stdout"), _Forward(send, "stderr")
-
-    def answer(work):
+    def answer(self, work) -> bool:
         """Run ``work()`` and send the parent its result or traceback, whatever happens."""
         try:
             reply = ("ok", cloudpickle.dumps(_to_cpu(work())))
         except BaseException as e:
             reply = ("err", type(e).__qualname__, str(e), traceback.format_exc())
-        out.write("", final=True)
-        err.write("", final=True)
-        send(reply)
+        self.out.write("", final=True)
+        self.err.write("", final=True)
+        self.send(reply)
         return reply[0] == "ok"
 
-    def init():
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                          LOCAL_WORLD_SIZE=str(world_size))  # for code written for torchrun
-        torch.set_num_threads(threads)
-        torch.set_num_interop_threads(1)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        init_tp_comm()
-
-    resident = None  # the object RankGroup.create made here, if any
-
-    def call(kind, payload):  # unpickled inside answer(): a missing module is reported too
-        nonlocal resident
+    def call(self, kind: str, payload: bytes):
+        """One call from the parent; unpickled inside ``answer``, so a missing module is reported too."""
         fn, args, kwargs = cloudpickle.loads(payload)
         if kind == "method":
-            if resident is None:
+            if self.resident is None:
                 raise RuntimeError(f"no object to call {fn!r} on: RankGroup.create() first")
-            return getattr(resident, fn)(*args, **kwargs)
+            return getattr(self.resident, fn)(*args, **kwargs)
         if kind == "create":
-            resident = None       # free the old one before building the next
-            resident = fn(*args, **kwargs)
+            self.resident = None       # free the old one before building the next
+            self.resident = fn(*args, **kwargs)
             return None
         return fn(*args, **kwargs)
 
-    if answer(init):
-        while True:  # idle ranks block here; EOF means the parent closed our pipe
+    def serve(self) -> None:
+        """Answer calls until the parent says close or closes the pipe; idle ranks block here."""
+        while True:
             try:
-                msg = pickle.loads(conn.recv_bytes())
+                msg = pickle.loads(self.conn.recv_bytes())
             except (EOFError, OSError):
                 break
             if msg[0] == "close":
                 break
-            answer(lambda msg=msg: call(*msg))
-    resident = None
+            self.answer(lambda msg=msg: self.call(*msg))
+        self.resident = None
+
+
+def rank_main(rank, world_size, backend, port, timeout_s, threads, conn, parent_pid, pdeathsig, environ):
+    """Entry point of a rank process (module level, so spawn finds it without the user's __main__).
+    ``parent_pid``: the process that started this one, which it dies with (None: whichever forked it,
+    the fork server); ``environ``: the caller's environment when it started the rank."""
+    os.environ.clear()
+    os.environ.update(environ)
+    _guard_parent(parent_pid, pdeathsig)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+    server = _Server(conn)
+    sys.stdout, sys.stderr = server.out, server.err
+    if server.answer(lambda: _join_group(rank, world_size, backend, port, timeout_s, threads)):
+        server.serve()
     if dist.is_initialized():
         dist.destroy_process_group()

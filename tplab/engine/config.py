@@ -1,13 +1,15 @@
-"""Checkpoint and engine settings, validated up front so that bad input fails with a message
-that says what to change, before any rank starts."""
+"""Checkpoint and engine settings, resolved once into a frozen ``EngineConfig`` and validated up front,
+so that bad input fails with a message that says what to change, before any rank starts."""
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
+from tplab.distributed.launcher import pick_backend
 from tplab.engine.parts import Parts, resolve
 from tplab.layers.linear import check_heads_divisible, valid_tp_sizes
 from tplab.layers.rotary import check_rope_supported
@@ -81,24 +83,38 @@ def default_batched_tokens(device) -> int:
     return 4096 if torch.device(device).type == "cuda" else 512
 
 
+def _env_flag(name: str) -> bool:
+    """A setting's default from the environment, read when a config is resolved: on unless ``name=0``."""
+    return os.environ.get(name, "1") != "0"
+
+
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-@dataclass(kw_only=True)
-class EngineConfig:
-    """What ``LLM(...)`` was asked for, checked against the checkpoint. Sent to every rank.
+def plain_config(hf_config):
+    """The checkpoint config's numbers in a plain namespace: what the engine reads, picklable as is, and
+    a rank that receives it needs no transformers import (a second or more of start-up each)."""
+    return hf_config if isinstance(hf_config, SimpleNamespace) else SimpleNamespace(**hf_config.to_dict())
 
-    ``bugs`` and ``parts`` are resolved into ``parts`` (a ``Parts``) once, here, before any rank starts.
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Every setting of an engine, resolved once against the checkpoint and the machine: ``LLM(model,
+    **settings)`` makes one, and every rank receives it as it is. The fields are the settings ``LLM``,
+    ``probe.load_model`` and ``tplab.exercises.check_part`` take; the comment says what each becomes.
+    Bad input fails here, with a message that says what to change, before any rank starts.
     """
-    model: str
+    model: str                         # a checkpoint folder, or a hub id -> the local folder
     tensor_parallel_size: int = 1
-    dtype: str = "float32"
+    dtype: torch.dtype | str = "float32"  # a name, a torch dtype or "auto" -> the torch dtype
     seed: int = 0
-    bugs: tuple[str, ...] = ()         # pitfalls from tplab.bugs.NAMES
-    parts: Parts | dict | None = None  # a learner's own parts: {field of Parts: replacement}
-    device: str | None = None          # None: cuda when the backend is nccl, else cpu
+    bugs: tuple[str, ...] = ()         # pitfalls by name (tplab.bugs.NAMES)
+    parts: Parts | dict | None = None  # a learner's own parts {field of Parts: replacement} -> with bugs, a Parts
+    backend: str | None = None         # "gloo"/"nccl"; None -> nccl when there is a GPU per rank, else gloo
+    timeout: float = 600.0             # seconds a rank may take for one call
+    device: str | None = None          # None -> "cuda" where the ranks' backend is nccl (TP 1: a GPU), else "cpu"
     # paged KV cache and continuous batching
     block_size: int = 16               # tokens per KV block
     num_kv_blocks: int | None = None   # None: as many as kv_cache_memory allows
@@ -108,27 +124,52 @@ class EngineConfig:
                                         # None: default_batched_tokens(device)
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
-    hf_config: object = field(default=None, repr=False)
+    # CPU speed settings; the environment gives their defaults (CI runs the notebooks with TPLAB_ONEDNN=0)
+    onednn: bool = field(default_factory=lambda: _env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
+    pack_weights: bool = field(default_factory=lambda: _env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
+    malloc_tune: bool = field(default_factory=lambda: _env_flag("TPLAB_MALLOC_TUNE"))    # engine.malloc
+    hf_config: object = field(default=None, repr=False)  # None -> config.json's, as plain_config
 
     def __post_init__(self):
-        self.model = str(resolve_model(self.model))
-        self.hf_config = self.hf_config or load_qwen2_config(self.model)
-        check_tp_size(self.hf_config, self.tensor_parallel_size)
-        self.torch_dtype = resolve_dtype(self.dtype, self.hf_config)
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        for name in ("block_size", "max_num_seqs"):
-            _positive_int(name, getattr(self, name))
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        self.bugs = (self.bugs,) if isinstance(self.bugs, str) else tuple(self.bugs or ())
-        self.parts = resolve(self.bugs, self.parts)
+        resolved = _resolved(self)
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)      # frozen from here on
 
-    def __getstate__(self):
-        # Ranks need the config's numbers, not its class: a plain namespace spares every spawned
-        # rank the import of transformers (a second or more of start-up each).
-        state = dict(self.__dict__)
-        if hasattr(state["hf_config"], "to_dict"):
-            state["hf_config"] = SimpleNamespace(**state["hf_config"].to_dict())
-        return state
+
+SETTINGS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("model", "hf_config"))
+
+
+def _resolved(cfg: EngineConfig) -> dict:
+    """The values ``cfg``'s raw settings resolve to, checked."""
+    model = str(resolve_model(cfg.model))
+    hf = cfg.hf_config or load_qwen2_config(model)
+    check_tp_size(hf, cfg.tensor_parallel_size)
+    if not isinstance(cfg.seed, int):
+        raise ValueError(f"seed must be an int, got {cfg.seed!r}")
+    if isinstance(cfg.timeout, bool) or not isinstance(cfg.timeout, (int, float)) or not cfg.timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {cfg.timeout!r}")
+    for name in ("block_size", "max_num_seqs"):
+        _positive_int(name, getattr(cfg, name))
+    for name in ("num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
+        if getattr(cfg, name) is not None:
+            _positive_int(name, getattr(cfg, name))
+    bugs = (cfg.bugs,) if isinstance(cfg.bugs, str) else tuple(cfg.bugs or ())
+    backend = dist.get_backend() if dist.is_initialized() else pick_backend(cfg.tensor_parallel_size, cfg.backend)
+    return dict(model=model, dtype=resolve_dtype(cfg.dtype, hf), hf_config=plain_config(hf), bugs=bugs,
+                parts=resolve(bugs, cfg.parts), backend=backend, device=_device(cfg, backend))
+
+
+def _device(cfg: EngineConfig, backend: str) -> str:
+    if cfg.device is not None:
+        return str(cfg.device)
+    if cfg.tensor_parallel_size == 1 and not dist.is_initialized():
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def engine_config(model, **settings) -> EngineConfig:
+    """``EngineConfig(model=model, **settings)``, or an error that lists the settings there are."""
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"unknown setting(s) {unknown}; the settings are {list(SETTINGS)}")
+    return EngineConfig(model=str(model), **settings)

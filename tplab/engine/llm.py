@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tplab.distributed.launcher import RankGroup, pick_backend
-from tplab.engine.config import EngineConfig
+from tplab.distributed.launcher import RankGroup
+from tplab.engine.config import engine_config
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.worker import Worker
 
@@ -41,44 +41,31 @@ def load_tokenizer(model_dir):
 class LLM:
     """A tensor-parallel Qwen2 engine over a local HF checkpoint folder.
 
-    ``LLM(model_dir, tensor_parallel_size=2, dtype="float32", seed=0)``; then
+    ``LLM(model_dir, tensor_parallel_size=2, dtype="float32", seed=0, ...)``: the settings are the fields
+    of ``EngineConfig`` (``tplab.engine.config``), resolved once into ``llm.config``; then
     ``generate(prompts, SamplingParams(...))``; ``shutdown()`` (or use ``with``).
     """
 
-    def __init__(self, model, tensor_parallel_size: int = 1, dtype: str = "float32", seed: int = 0,
-                 bugs=(), parts=None, backend: str | None = None, timeout: float = 600.0,
-                 device: str | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = False, check_finite: bool = False):
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.config = EngineConfig(
-            model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed, bugs=bugs,
-            parts=parts, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            check_finite=check_finite)
+    def __init__(self, model, **settings):
+        self.config = engine_config(model, **settings)    # every setting resolved once; see EngineConfig
         self.tokenizer = load_tokenizer(self.config.model)
-        self.timeout = timeout
+        self.timeout = self.config.timeout
         self._group = self._worker = None
         self._why_down = ""
-        tp = tensor_parallel_size
+        tp = self.config.tensor_parallel_size
         if dist.is_initialized():                       # torchrun: this process is one of the ranks
             if dist.get_world_size() != tp:
                 raise ValueError(f"tensor_parallel_size={tp} but the process group has {dist.get_world_size()} "
                                  f"ranks: pass tensor_parallel_size={dist.get_world_size()} under torchrun")
             self._worker = Worker(self.config)
         elif tp == 1:                                   # one rank: this process
-            pick_backend(1, backend)                    # still refuse a backend that could not run
-            if self.config.device is None:
-                self.config.device = "cuda" if torch.cuda.is_available() else "cpu"
             self._worker = Worker(self.config)
         else:
-            self._group = RankGroup(tp, backend=backend, timeout=timeout)
+            self._group = RankGroup(tp, backend=self.config.backend, timeout=self.timeout)
         try:
             if self._group is not None:
-                self._group.create(Worker, (self.config,), timeout=timeout)
-                self.rank_info = self._group.call("info", timeout=timeout)
+                self._group.create(Worker, (self.config,), timeout=self.timeout)
+                self.rank_info = self._group.call("info", timeout=self.timeout)
             else:
                 self.rank_info = [self._worker.info()]
         except BaseException:

@@ -17,9 +17,8 @@ from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
 from tplab.models.loader import LoadReport
-from tplab.layers.attention import Attention
-from tplab.layers.embed_head import pack_lm_head
-from tplab.layers.linear import pack_linear_weights
+from tplab.layers.attention import kv_cache_shape
+from tplab.layers.cpu_gemm import Gemm, process_weights_after_loading
 from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
 
 
@@ -28,16 +27,17 @@ def eos_token_ids(hf_config) -> frozenset[int]:
     return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
 
 
-def build_model(cfg: EngineConfig, device, tp_rank: int | None = None,
-                tp_size: int | None = None) -> tuple[Qwen2ForCausalLM, LoadReport]:
+def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: int | None = None,
+                pack: bool = True) -> tuple[Qwen2ForCausalLM, LoadReport]:
     """This rank's shard of the model, built from ``cfg.parts``, with its weight slices read from the
-    checkpoint; and what the load read. ``tp_rank``/``tp_size`` default to the process group's."""
+    checkpoint and processed for the config's GEMM (``tplab.layers.cpu_gemm``; ``pack=False`` keeps every
+    weight readable); and what the load read. ``tp_rank``/``tp_size`` default to the process group's."""
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
     if tp_size != cfg.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} but the process group has "
                          f"{tp_size} ranks")
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(cfg.torch_dtype)  # parameters are created in the target dtype, on the device
+    torch.set_default_dtype(cfg.dtype)  # parameters are created in the target dtype, on the device
     try:
         with torch.device(device):
             model = Qwen2ForCausalLM(cfg.hf_config, cfg.parts, tp_rank, tp_size)
@@ -46,6 +46,7 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None,
     # HF omits a tied lm_head.weight when saving; some checkpoints keep it anyway.
     skip = frozenset({"lm_head.weight"}) if cfg.hf_config.tie_word_embeddings else frozenset()
     report = cfg.parts.load_weights(model, cfg.model, skip=skip)
+    process_weights_after_loading(model, Gemm.choose(cfg.onednn, cfg.pack_weights and pack))
     return model.eval(), report
 
 
@@ -53,10 +54,9 @@ def kv_cache_spec(cfg: EngineConfig, block_size: int | None = None) -> KVCacheSp
     """One rank's KV cache layout, from the config and the attention part's ``kv_cache_shape``."""
     hf = cfg.hf_config
     heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
-    shape_of = getattr(cfg.parts.attention, "kv_cache_shape", Attention.kv_cache_shape)  # optional in a part
     block_size = block_size or cfg.block_size
-    block_shape = tuple(shape_of(1, block_size, heads, kv_heads, head_dim_of(hf)))[1:]
-    return KVCacheSpec(hf.num_hidden_layers, block_size, block_shape, cfg.torch_dtype)
+    block_shape = kv_cache_shape(cfg.parts.attention, 1, block_size, heads, kv_heads, head_dim_of(hf))[1:]
+    return KVCacheSpec(hf.num_hidden_layers, block_size, block_shape, cfg.dtype)
 
 
 def kv_cache_budget(device: torch.device, tp_size: int) -> int:
@@ -110,25 +110,23 @@ class LLMEngine:
 
     def __init__(self, cfg: EngineConfig, device):
         self.cfg, self.device = cfg, torch.device(device)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and cfg.malloc_tune:
             keep_freed_memory()            # activations reuse mapped pages instead of faulting in new ones
         if dist.is_initialized():
             init_tp_comm()                 # under torchrun; a rank from tplab.launch has done it already
         self.model, self.load_report = build_model(cfg, self.device)
         if cfg.check_finite:
             install_finite_check(self.model)
-        pack_linear_weights(self.model)    # after loading, as vLLM's CPU backend does: faster matmuls
-        pack_lm_head(self.model.lm_head)
         spec = kv_cache_spec(cfg)
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions)
-        self.eos_ids = eos_token_ids(cfg.hf_config)
-        self.max_model_len = cfg.hf_config.max_position_embeddings
         self.block_manager = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size,
                                                      cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens or default_batched_tokens(self.device))
+                                   cfg.max_num_batched_tokens or default_batched_tokens(self.device),
+                                   eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
         self.num_steps = 0
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False) -> list[Sequence]:
         """Serve every prompt with continuous batching; returns the finished sequences in prompt order.
         ``use_tqdm``: rank 0 draws a progress bar on stderr (the driver's, which the ranks share)."""
@@ -139,15 +137,10 @@ class LLMEngine:
         self.runner.metadata.clear()           # sequence ids start again at 0 in every call
         while self.scheduler.has_work():
             batch = self.scheduler.schedule()
-            for seq, sampled in zip(batch, self.runner.step(batch)):
-                if sampled is None:             # a prompt chunk that is not its last: nothing to sample yet
-                    continue
-                seq.append(*sampled, self.eos_ids, self.max_model_len)
-                if seq.finished:
-                    self.scheduler.finish(seq)
-                    self.runner.forget(seq)
-                    if bar is not None:
-                        bar.finished(seq)
+            for seq in self.scheduler.postprocess(batch, self.runner.step(batch)):
+                self.runner.forget(seq)
+                if bar is not None:
+                    bar.finished(seq)
             self.num_steps += 1
         if bar is not None:
             bar.close()

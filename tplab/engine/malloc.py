@@ -12,26 +12,21 @@ The cost: memory freed after a peak (a long prefill) stays in the process for th
 """
 import ctypes
 import ctypes.util
-import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3     # mallopt's parameter numbers (malloc.h)
 MMAP_THRESHOLD = 32 << 20                       # glibc's maximum on 64-bit: larger blocks are still mmapped
 TRIM_THRESHOLD = 1 << 30                        # keep up to 1 GiB of free heap instead of returning it
 
-_tuned = False
-
-
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds once in this process (a rank's, or the driver's at TP 1);
-    True if done. Off with ``TPLAB_MALLOC_TUNE=0``, and a no-op off glibc (macOS, musl)."""
-    global _tuned
-    if _tuned or os.environ.get("TPLAB_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
-        return _tuned
+    """Raise glibc's mmap and trim thresholds in this process (a rank's, or the driver's at TP 1); True if
+    done. The engine calls it when ``EngineConfig.malloc_tune`` (``TPLAB_MALLOC_TUNE=0`` turns it off);
+    doing it again changes nothing. A no-op off glibc (macOS, musl)."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):                   # not glibc
         return False
-    _tuned = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    return _tuned
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -14,7 +14,7 @@ import torch
 
 from tplab.engine.sampling import sample
 from tplab.engine.sequence import Sequence
-from tplab.engine.metadata import MetadataBuilder
+from tplab.layers.metadata import MetadataBuilder
 
 
 def token_positions(seq: Sequence) -> list[int]:
@@ -62,21 +62,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[tuple[int, float] | None]:
-        """Feed each sequence its ``num_scheduled_tokens`` next tokens; sample one token for each sequence
-        whose tokens are now all cached: ``[(token, logprob)]``, None for a prompt chunk that is not the last."""
-        meta = self.metadata.build(seqs, self.positions)
+        """Run the scheduled batch: feed each sequence its ``num_new_tokens`` next tokens, and sample one
+        token for each whose tokens are then all cached. Returns ``[(token, logprob)]``, None for a prompt
+        chunk that is not the last. Changes no sequence: ``Scheduler.postprocess`` records the step."""
+        meta = self.metadata.build([s.num_new_tokens for s in seqs],
+                                   [s.num_cached_tokens + s.num_new_tokens for s in seqs],
+                                   [s.block_table for s in seqs], [p for s in seqs for p in self.positions(s)],
+                                   [s.seq_id for s in seqs])
         input_ids = torch.tensor([t for s in seqs for t in s.new_token_ids()], device=self.device)   # (T,)
         hidden = self.model(input_ids, self.kv_caches, meta)                                           # (T, E)
-        for seq in seqs:
-            seq.num_cached_tokens += seq.num_new_tokens
-            seq.num_scheduled_tokens = 0                # consumed: the next step is scheduled anew
-        done = [b for b, seq in enumerate(seqs) if seq.num_cached_tokens == len(seq)]
+        done = [b for b, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_new_tokens == len(seq)]
+        out: list[tuple[int, float] | None] = [None] * len(seqs)
         if not done:
-            return [None] * len(seqs)
+            return out
         last = torch.tensor([meta.query_start_loc[b + 1] - 1 for b in done], device=self.device)    # (S,)
         logits = self.model.compute_logits(hidden.index_select(0, last))                              # (S, V)
         tokens, logprobs = sample(logits, [seqs[b].params for b in done], [seqs[b].generator for b in done])
-        out: list[tuple[int, float] | None] = [None] * len(seqs)
         for b, token, logprob in zip(done, tokens.tolist(), logprobs.tolist()):
             out[b] = (token, logprob)
         return out

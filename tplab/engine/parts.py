@@ -3,12 +3,13 @@
 An engine is built from a ``Parts``: the layer classes and functions its Qwen2 model is made of,
 the function that gives a step's tokens their positions, the checkpoint loader and the block
 manager. ``resolve(bugs, parts)`` starts from tplab's own, swaps in the named pitfalls
-(``LLM(bugs=[...])``, registered by ``tplab.teaching.bugs``) and a learner's own parts
+(``LLM(bugs=[...])``, found by name in ``tplab.teaching.bugs``) and a learner's own parts
 (``LLM(parts={...})``), and refuses two replacements of the same field. It runs once, in the
 process that creates the ``LLM``; the resolved ``Parts`` travels to every rank inside the
 ``EngineConfig``, and nothing in the engine asks which bug is on.
 """
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,20 +45,15 @@ class Parts:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Parts))
-_named: dict[str, dict[str, object]] = {}   # name -> {field: replacement}; see register()
+# The module whose ``BUGS`` maps each pitfall's name to ``{field of Parts: replacement}``. It is looked up
+# by name, here and only when a bug is asked for, so an engine built without bugs never loads the
+# teaching side (its processes included), and the engine's code does not depend on it.
+BUG_CATALOGUE = "tplab.teaching.bugs"
 
 
-def register(name: str, **replacements) -> None:
-    """Make ``name`` usable as ``LLM(bugs=[name])``: it swaps in ``replacements`` (fields of ``Parts``)."""
-    unknown = sorted(set(replacements) - set(FIELDS))
-    if unknown or not replacements:
-        raise ValueError(f"{name}: replacements must name fields of Parts {list(FIELDS)}, got {sorted(replacements)}")
-    _named[name] = dict(replacements)
-
-
-def registered() -> tuple[str, ...]:
-    """The names ``register`` knows, in registration order."""
-    return tuple(_named)
+def known_bugs() -> dict[str, dict[str, object]]:
+    """The bug catalogue: name -> ``{field of Parts: replacement}`` (imports ``BUG_CATALOGUE``)."""
+    return importlib.import_module(BUG_CATALOGUE).BUGS
 
 
 def _describe(value) -> str:
@@ -68,15 +64,16 @@ def resolve(bugs=(), parts=None) -> Parts:
     """tplab's parts with the named bugs and then ``parts`` (a ``Parts`` or a dict of field -> replacement)
     swapped in. Raises a ValueError naming both replacements when two of them replace the same field."""
     names = [bugs] if isinstance(bugs, str) else list(bugs or ())
-    unknown = [n for n in names if n not in _named]
+    catalogue = known_bugs() if names else {}
+    unknown = [n for n in names if n not in catalogue]
     if unknown:
-        raise ValueError(f"unknown bug name(s) {unknown}; known: {list(_named)}")
+        raise ValueError(f"unknown bug name(s) {unknown}; known: {list(catalogue)}")
     mine = parts.replaced() if isinstance(parts, Parts) else dict(parts or {})
     wrong = sorted(set(mine) - set(FIELDS))
     if wrong:
         raise ValueError(f"parts has unknown field(s) {wrong}; the fields of tplab.Parts are {list(FIELDS)}")
     chosen: dict[str, tuple[str, object]] = {}      # field -> (who replaced it, replacement)
-    swaps = [(f"bug {n!r}", f, r) for n in names for f, r in _named[n].items()]
+    swaps = [(f"bug {n!r}", f, r) for n in names for f, r in catalogue[n].items()]
     swaps += [(f"your part {_describe(r)}", f, r) for f, r in mine.items()]
     for who, field, replacement in swaps:
         if field in chosen and chosen[field][1] is replacement:

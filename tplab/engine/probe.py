@@ -17,27 +17,27 @@ from dataclasses import dataclass
 
 import torch
 
-from tplab.engine.config import EngineConfig
+from tplab.engine.config import EngineConfig, engine_config
 from tplab.engine.llm_engine import build_model
-from tplab.layers.attention import Attention, build_metadata
+from tplab.layers.attention import kv_cache_shape
+from tplab.layers.metadata import build_metadata
 from tplab.models.qwen2 import head_dim_of, local_head_counts
 
 
-def load_model(model, tensor_parallel_size: int = 1, *, tp_rank: int | None = None, bugs=(), parts=None,
-               dtype: str = "float32", device="cpu"):
-    """This rank's shard of the checkpoint folder ``model``, with ``bugs``/``parts`` swapped in, as
-    ``LLM`` builds it. Inside ranks the rank comes from the process group; in one process, ``tp_rank``
-    builds any rank's shard (to look at its weights: its collectives need the real ranks).
+def load_model(model, tensor_parallel_size: int = 1, *, tp_rank: int | None = None, device="cpu", **settings):
+    """This rank's shard of the checkpoint folder ``model``, as ``LLM`` builds it (``settings`` are
+    ``LLM``'s: ``bugs``, ``parts``, ``dtype``, ...), its weights left readable. Inside ranks the rank comes
+    from the process group; in one process, ``tp_rank`` builds any rank's shard (to look at its weights:
+    its collectives need the real ranks).
 
     ``model`` may also be an ``EngineConfig`` made in the parent process (then the other settings come
     from it): a rank then need not read config.json again, nor import transformers to do it."""
     if isinstance(model, EngineConfig):
         cfg, tensor_parallel_size = model, model.tensor_parallel_size
     else:
-        cfg = EngineConfig(model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, bugs=bugs,
-                           parts=parts, device=str(device))
+        cfg = engine_config(model, tensor_parallel_size=tensor_parallel_size, device=str(device), **settings)
     tp_size = tensor_parallel_size if tp_rank is not None else None
-    return build_model(cfg, device, tp_rank, tp_size)[0]
+    return build_model(cfg, device, tp_rank, tp_size, pack=False)[0]     # weights stay readable
 
 
 class SequenceCache:
@@ -47,8 +47,7 @@ class SequenceCache:
         config, device = model.config, next(model.parameters()).device
         heads, kv_heads = local_head_counts(config, model.tp_size)
         attention = type(model.model.layers[0].self_attn.attn)           # the layout its attention part uses
-        shape = getattr(attention, "kv_cache_shape", Attention.kv_cache_shape)(
-            1, max_len, heads, kv_heads, head_dim_of(config))
+        shape = kv_cache_shape(attention, 1, max_len, heads, kv_heads, head_dim_of(config))
         dtype = next(model.parameters()).dtype
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in model.model.layers]

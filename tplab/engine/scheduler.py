@@ -9,6 +9,10 @@ what is left of the budget starts with a chunk and continues in the next steps, 
 decodes of the others (vLLM's default scheduling). Only the step that feeds a sequence's last
 uncached token samples a token for it.
 
+After the step, ``postprocess`` is the one place where a sequence's state changes: its fed tokens
+count as cached, its sampled token is appended, and a finished sequence leaves and frees its blocks
+(the block manager's own bookkeeping changes ``block_table`` and ``num_cached_tokens`` too).
+
 Sequences that finish leave between steps, so a short request never waits for a long one. When
 the blocks run out, the most recently admitted running sequence that is not in the middle of its
 prefill is preempted: its blocks are freed and it goes back to the front of the queue, to be
@@ -22,15 +26,18 @@ step reads them), and a waiting prompt joins only when every running prompt has 
 scheduled, so a prefix hit never reads a block that is not computed. Freeing a half-computed prompt's
 blocks would leave registered blocks that were never computed.
 """
+import sys
 from collections import deque
 
 from tplab.engine.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, block_manager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_ids: frozenset[int] = frozenset(), max_model_len: int = sys.maxsize):
         self.block_manager = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.eos_ids, self.max_model_len = eos_ids, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # in admission order: the newest is preempted first
         self.num_preemptions = 0
@@ -80,6 +87,22 @@ class Scheduler:
         """Schedule as many of ``seq``'s uncached tokens as the budget allows; how many."""
         seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
         return seq.num_scheduled_tokens
+
+    def postprocess(self, seqs: list[Sequence], sampled: list[tuple[int, float] | None]) -> list[Sequence]:
+        """Record a step that ran ``seqs`` (``ModelRunner.step``'s answer in ``sampled``): their fed tokens
+        are cached now, each sampled token is appended, and the sequences it finishes leave and free their
+        blocks. Returns those that finished."""
+        finished = []
+        for seq, token in zip(seqs, sampled):
+            seq.num_cached_tokens += seq.num_new_tokens
+            seq.num_scheduled_tokens = 0                # consumed: the next step is scheduled anew
+            if token is None:                           # a prompt chunk that is not its last: nothing sampled
+                continue
+            seq.append(*token, self.eos_ids, self.max_model_len)
+            if seq.finished:
+                self.finish(seq)
+                finished.append(seq)
+        return finished
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)

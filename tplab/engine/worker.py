@@ -4,6 +4,8 @@ At TP > 1 every rank process keeps one ``Worker`` (``RankGroup.create``) and ``L
 methods on all ranks at once (``RankGroup.call``), as vLLM's driver calls its workers. At TP 1
 and under torchrun ``LLM`` holds its ``Worker`` itself and calls the same methods directly.
 """
+import torch.distributed as dist
+
 from tplab.distributed.launcher import rank_device
 from tplab.engine.config import EngineConfig
 from tplab.engine.llm_engine import LLMEngine
@@ -12,7 +14,8 @@ from tplab.engine.sampling import SamplingParams
 
 class Worker:
     def __init__(self, cfg: EngineConfig):
-        self.engine = LLMEngine(cfg, cfg.device or rank_device())
+        # under a NCCL group "cuda" is this rank's GPU
+        self.engine = LLMEngine(cfg, rank_device() if cfg.device == "cuda" and dist.is_initialized() else cfg.device)
 
     def info(self) -> dict:
         """What the driver checks requests against, and what this rank holds."""

@@ -15,113 +15,32 @@ Shape legend: T new tokens in the step, B sequences, Lq new tokens of one sequen
 keys (cached + new, ``Lk >= Lq``), N the keys of all B sequences, H query heads and H_kv KV
 heads on this rank, D head_dim.
 """
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.layers.paged_decode import DecodeBlocks, decode_blocks, one_query_attention, paged_decode
+from tplab.layers.metadata import AttentionMetadata, build_metadata, causal_visible  # noqa: F401 (their old home)
+from tplab.layers.paged_decode import DecodeBlocks, one_query_attention, paged_decode
 
 
-@dataclass
-class AttentionMetadata:
-    """Where a step's new tokens go in the cache, and which keys each sequence reads. Built once
-    per step (``build_metadata``) and read by every layer.
-
-    Sequence b owns new tokens ``query_start_loc[b]:query_start_loc[b + 1]`` of the T packed
-    tokens, and its keys are ``kv_slots[kv_start_loc[b]:kv_start_loc[b + 1]]``: the cache slots of
-    its positions ``0 .. seq_lens[b] - 1``, in order (its cached tokens, then this step's).
-    """
-    positions: torch.Tensor       # (T,) long: position of each new token in its sequence (RoPE's angle)
-    slot_mapping: torch.Tensor    # (T,) long: cache slot each new token's K/V is written to
-    query_start_loc: list[int]    # B + 1 ints: where each sequence's new tokens start; the last is T
-    seq_lens: list[int]           # B ints: each sequence's length after this step (its Lk)
-    kv_slots: torch.Tensor        # (N,) long: every sequence's key slots, packed; N = sum(seq_lens)
-    kv_start_loc: list[int]       # B + 1 ints: where each sequence's keys start in kv_slots; the last is N
-    visible: list[torch.Tensor]   # B bool masks (Lq, Lk): causal_visible(Lq, Lk), True = may attend
-    decode: DecodeBlocks | None = None  # the blocks of the sequences with one new token, for paged_decode
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
-    def query_lens(self) -> list[int]:
-        """New tokens of each sequence (its Lq)."""
-        return [b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])]
-
-    def seq_kv_slots(self, b: int) -> torch.Tensor:
-        """``(Lk,)`` the cache slots of sequence b's keys, position 0 first."""
-        return self.kv_slots[self.kv_start_loc[b]:self.kv_start_loc[b + 1]]
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)   # absent in old torch
 
 
-def causal_visible(query_len: int, context_len: int, device=None) -> torch.Tensor:
-    """``(Lq, Lk)`` booleans: the ``Lq`` queries are the last of ``Lk`` positions, so query i sits at
-    position ``Lk - Lq + i`` and sees keys ``j <= Lk - Lq + i`` (a decode step, ``Lq = 1``, sees all).
+class AttendsDecodesTogether:
+    """An ``attend`` (``Parts.attend``) that also attends every decode token of a step at once, over the
+    blocks the decode sequences hold: ``Attention`` then hands it ``meta.decode`` instead of calling it
+    once per decode sequence. A plain function is called once per sequence, every sequence."""
 
-    Booleans, applied with ``masked_fill``/``where`` (or SDPA's bool mask), never ``ones * -inf``:
-    IEEE says ``0 * -inf = NaN``, and one NaN in a score row turns the whole softmax row into NaN.
-    Every row has a True (its own position), so no row is all ``-inf`` either.
-    """
-    i = torch.arange(query_len, device=device)[:, None]             # (Lq, 1)
-    j = torch.arange(context_len, device=device)[None, :]           # (1, Lk)
-    return j <= (context_len - query_len) + i
+    def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       decode: DecodeBlocks, scale: float) -> torch.Tensor:
+        """q ``(Bd, H, D)``, one query per decode sequence; caches ``(num_blocks, bs, H_kv, D)`` -> ``(Bd, H, D)``."""
+        raise NotImplementedError
 
 
-def _checked_positions(positions, expected: torch.Tensor, seq_of_token: torch.Tensor) -> torch.Tensor:
-    """The caller's positions, when they equal the number of tokens cached before each one."""
-    if positions is None:
-        return expected
-    positions = torch.as_tensor(positions, dtype=torch.long)
-    if not torch.equal(positions, expected):
-        t = int((positions != expected).nonzero()[0])
-        raise ValueError(f"token {t} of the step (sequence {int(seq_of_token[t])}) has position "
-                         f"{int(positions[t])} but {int(expected[t])} tokens are cached before it: "
-                         "positions must count the tokens already in the KV cache")
-    return positions
-
-
-def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                   block_size: int, device: torch.device, positions: list[int] | None = None) -> AttentionMetadata:
-    """Metadata for B sequences whose last ``query_lens[b]`` of ``context_lens[b]`` tokens are new
-    this step, their K/V in the blocks ``block_tables[b]``.
-
-    ``positions`` (packed, one per new token), when the caller tracks them itself, are checked
-    against the cache: a new token's position must equal the number of tokens before it, or RoPE
-    and the cache slots would disagree silently.
-    """
-    if len(query_lens) != len(context_lens) or not query_lens:
-        raise ValueError(f"need one query_len and one context_len per sequence, got {query_lens} / {context_lens}")
-    if any(not 1 <= q <= c for q, c in zip(query_lens, context_lens)):
-        raise ValueError(f"each sequence needs 1 <= query_len <= context_len, got {query_lens} / {context_lens}")
-    for b, (c, table) in enumerate(zip(context_lens, block_tables)):
-        if len(table) * block_size < c:
-            raise ValueError(f"sequence {b} has {c} tokens but {len(table)} blocks of {block_size} slots")
-    offsets = torch.arange(block_size)
-    kv_slots = torch.cat([(torch.tensor(t)[:, None] * block_size + offsets).flatten()[:c]    # (Lk_b,) each
-                          for t, c in zip(block_tables, context_lens)])                      # (N,)
-    kv_start = [0]
-    for c in context_lens:
-        kv_start.append(kv_start[-1] + c)
-    # the new tokens of sequence b are its last query_lens[b] keys
-    new_keys = torch.cat([torch.arange(s + c - q, s + c) for s, q, c in zip(kv_start, query_lens, context_lens)])
-    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # (T,)
-    expected = new_keys - torch.tensor(kv_start[:-1])[seq_of_token]                                  # (T,)
-    positions = _checked_positions(positions, expected, seq_of_token)
-    q_start = [0]
-    for q in query_lens:
-        q_start.append(q_start[-1] + q)
-    to = lambda t: t.to(device, non_blocking=True)
-    return AttentionMetadata(
-        positions=to(positions), slot_mapping=to(kv_slots[new_keys]), query_start_loc=q_start,
-        seq_lens=list(context_lens), kv_slots=to(kv_slots), kv_start_loc=kv_start,
-        visible=[causal_visible(q, c, device) for q, c in zip(query_lens, context_lens)],
-        decode=decode_blocks(query_lens, context_lens, block_tables, block_size, device))
-
-
-def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """``softmax(q k^T * scale, hidden where not visible) v`` for one sequence, with GQA.
+class SdpaAttend(AttendsDecodesTogether):
+    """``sdpa_attend(q, k, v, visible, scale)``: ``softmax(q k^T * scale, hidden where not visible) v`` for
+    one sequence, with GQA. tplab's ``Parts.attend``; it also attends every decode token of a step at once
+    (``attend_decodes``: ``tplab.layers.paged_decode``).
 
     q ``(H, Lq, D)``; k, v ``(H_kv, Lk, D)``: query heads ``g * H/H_kv .. (g+1) * H/H_kv - 1``
     share KV head g; visible ``(Lq, Lk)`` bool, ``causal_visible(Lq, Lk)``: the kernels below rely on
@@ -134,19 +53,30 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torc
     uses SDPA's ``is_causal``, the same mask, which lets the kernel skip the hidden blocks; a chunk
     after cached keys is split in two (``_cached_then_causal``) for the same reason.
     """
-    lk, d = k.shape[1:]
-    if q.shape[1] == 1:
-        return one_query_attention(q, k, v, scale).view(-1, 1, d)  # (H, 1, D)
-    if q.shape[1] < lk and q.device.type == "cpu" and _FLASH_CPU is not None:
-        return _cached_then_causal(q, k, v, scale)
-    causal = q.shape[1] == lk
-    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                          attn_mask=None if causal else visible, is_causal=causal,
-                                          scale=scale, enable_gqa=True)[0]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        lk, d = k.shape[1:]
+        if q.shape[1] == 1:
+            return one_query_attention(q, k, v, scale).view(-1, 1, d)  # (H, 1, D)
+        if q.shape[1] < lk and q.device.type == "cpu" and _FLASH_CPU is not None:
+            return _cached_then_causal(q, k, v, scale)
+        causal = q.shape[1] == lk
+        return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                              attn_mask=None if causal else visible, is_causal=causal,
+                                              scale=scale, enable_gqa=True)[0]
+
+    def attend_decodes(self, q, k_cache, v_cache, decode, scale):
+        return paged_decode(q, k_cache, v_cache, decode, scale)
+
+    def __repr__(self):
+        return "sdpa_attend"
+
+    def __reduce__(self):
+        return "sdpa_attend"       # pickled by name: a rank gets the one instance, and Parts() equals its own
 
 
-sdpa_attend.paged_decode = paged_decode   # lets Attention attend every decode token of a step at once
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+sdpa_attend = SdpaAttend()   # tplab's Parts.attend: softmax(q k^T * scale, causal) v, GQA, decodes together
 
 
 def _cached_then_causal(q, k, v, scale):
@@ -170,9 +100,9 @@ class Attention(nn.Module):
     ``Attention(num_heads, num_kv_heads, head_dim, attend=sdpa_attend)``: this rank's H query heads
     and H_kv KV heads (``H`` a multiple of ``H_kv``), each of ``head_dim`` D; ``attend`` is
     ``Parts.attend``, called once per sequence per step (see ``sdpa_attend`` for its contract), except
-    that an ``attend`` with a ``paged_decode`` attribute (tplab's own) gets the decode tokens of all
-    sequences at once (``tplab.layers.paged_decode``, from ``meta.decode``): the same maths in a dozen
-    ops per layer instead of a few per sequence. A replacement ``attend`` sees every sequence.
+    that an ``attend`` that is ``AttendsDecodesTogether`` (tplab's own) gets the decode tokens of all
+    sequences at once (its ``attend_decodes``, from ``meta.decode``): the same maths in a dozen ops per
+    layer instead of a few per sequence. A plain function sees every sequence.
 
     ``forward(q, k, v, kv_cache, meta)``:
       - q ``(T, H, D)``, k and v ``(T, H_kv, D)``: the step's new tokens, RoPE already applied;
@@ -203,14 +133,15 @@ class Attention(nn.Module):
         k_cache, v_cache = (c.flatten(0, 1) for c in kv_cache)      # (num_slots, H_kv, D) views
         k_cache.index_copy_(0, meta.slot_mapping, k)                # store the KV heads, not repeated ones
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        batched = getattr(self.attend, "paged_decode", None) if meta.decode is not None else None
-        if batched is not None and len(meta.decode.seqs) == q.shape[0]:   # every token a decode: no gather
-            return batched(q, *kv_cache, meta.decode, self.scale).flatten(1)
+        together = meta.decode is not None and isinstance(self.attend, AttendsDecodesTogether)
+        if together and len(meta.decode.seqs) == q.shape[0]:       # every token a decode: no gather
+            return self.attend.attend_decodes(q, *kv_cache, meta.decode, self.scale).flatten(1)
         out = torch.empty_like(q)                                   # (T, H, D)
-        if batched is not None:                                     # tplab's attend: all decodes at once
+        if together:                                                # all decodes at once
             rows = meta.decode.token_index                          # (Bd,)
-            out.index_copy_(0, rows, batched(q.index_select(0, rows), *kv_cache, meta.decode, self.scale))
-        skip = set(meta.decode.seqs) if batched is not None else ()
+            out.index_copy_(0, rows, self.attend.attend_decodes(q.index_select(0, rows), *kv_cache, meta.decode,
+                                                                self.scale))
+        skip = set(meta.decode.seqs) if together else ()
         qs = meta.query_start_loc
         for b in range(meta.num_seqs):
             if b in skip:
@@ -222,3 +153,12 @@ class Attention(nn.Module):
                             meta.visible[b], self.scale)                           # -> (H, Lq, D)
             out[qs[b]:qs[b + 1]] = o.transpose(0, 1)
         return out.flatten(1)                                       # (T, H * D)
+
+
+def kv_cache_shape(attention: type, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, ...]:
+    """One layer's K (and V) cache shape for the attention part ``attention`` (a class): its own
+    ``kv_cache_shape`` when it is an ``Attention`` (which may declare another layout), else tplab's
+    ``(num_blocks, block_size, H_kv, D)``, which any part written to ``Attention``'s contract reads."""
+    shape_of = attention.kv_cache_shape if issubclass(attention, Attention) else Attention.kv_cache_shape
+    return tuple(shape_of(num_blocks, block_size, num_heads, num_kv_heads, head_dim))

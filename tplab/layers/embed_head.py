@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.layers.linear import can_pack, linear, packed
+from tplab.layers.cpu_gemm import Gemm, GemmLayer
 from tplab.layers.weights import copy_into, expect_shape
 from tplab.distributed.parallel_state import all_gather, all_reduce, tp_rank_and_size
 
@@ -57,7 +57,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(self.lookup_local(input_ids), self.tp_size)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, GemmLayer):
     """``logits = hidden @ W.T`` with W split by vocab rows; an all-gather assembles the full vocab.
 
     Every rank gets the full logits, so every rank can sample the same token from
@@ -72,11 +72,25 @@ class ParallelLMHead(VocabParallelEmbedding):
       rank, padding rows dropped.
     """
 
-    packed_weight = None     # a packed copy of weight, made when first needed once pack_lm_head allowed it
-    pack_on_demand = False
+    packed_weight = None     # a packed copy of weight, made at the first step that wants it
+    pack_on_demand = False   # set by process_weights_after_loading where the config packs
+    packs_weight = True
+
+    def process_weights_after_loading(self, gemm: Gemm) -> bool:
+        """Where the config packs, keep a packed copy of the weight, made at the first step that wants it
+        (vLLM's CPU backend does the same). The plain weight stays: it is usually the embedding's too
+        (tied), and the lookup needs it. The copy costs one more ``(vocab / tp_size, hidden)`` weight
+        (545 MB fp32 for Qwen2.5-0.5B at TP 1) and buys fp32 logits of a 16-sequence decode step about
+        1.5x faster (they are a quarter of the step), and bf16 logits at any batch that oneDNN does not
+        reorder on every call. fp32 logits of one or two rows stay on the plain weight, which streams
+        faster for so few rows, so a single sequence's fp32 generation never makes the copy. Returns
+        whether the head will pack."""
+        self.gemm = gemm
+        self.pack_on_demand = self.packs_weight and gemm.can_pack(self.weight)
+        return self.pack_on_demand
 
     def forward(self, hidden: torch.Tensor, gather_output: bool = True) -> torch.Tensor:
-        logits = linear(hidden, self._weight_for(hidden))           # (N, per_rank)
+        logits = self.gemm.linear(hidden, self._weight_for(hidden))  # (N, per_rank)
         return self.gather(logits) if gather_output else logits
 
     def _weight_for(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -85,7 +99,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if not self.pack_on_demand or (hidden.shape[0] < 3 and self.weight.dtype == torch.float32):
             return self.weight
         if self.packed_weight is None:
-            self.packed_weight = packed(self.weight)
+            self.packed_weight = self.gemm.packed(self.weight)
         return self.packed_weight
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
@@ -93,18 +107,3 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = all_gather(logits, self.tp_size, dim=-1)           # (N, per_rank * tp_size)
         return logits[..., : self.num_embeddings]
 
-
-def pack_lm_head(lm_head: nn.Module) -> bool:
-    """After loading, on CPU: let tplab's LM head keep a packed copy of its weight (vLLM's CPU backend
-    does the same), made at the first step that wants it. The plain weight stays: it is usually the
-    embedding's too (tied), and the lookup needs it. The copy costs one more ``(vocab / tp_size,
-    hidden)`` weight (545 MB fp32 for Qwen2.5-0.5B at TP 1) and buys fp32 logits of a 16-sequence
-    decode step about 1.5x faster (they are a quarter of the step), and bf16 logits at any batch that
-    oneDNN does not reorder on every call. fp32 logits of one or two rows stay on the plain weight,
-    which streams faster for so few rows, so a single sequence's fp32 generation never makes the copy.
-    Only tplab's own ``forward`` is given it; ``TPLAB_PACK_WEIGHTS=0`` turns it off. Returns whether
-    the head will pack."""
-    if type(lm_head).forward is not ParallelLMHead.forward or not can_pack(lm_head.weight):
-        return False
-    lm_head.pack_on_demand = True
-    return True

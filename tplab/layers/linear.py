@@ -7,101 +7,22 @@ an all-reduce completes). Every layer has the same three parts: ``__init__`` wor
 out this rank's shard sizes, ``weight_loader`` narrows a checkpoint tensor to that
 shard, ``forward`` runs the shard.
 """
-import os
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tplab.layers.weights import copy_into, expect_shape
 from tplab.distributed.parallel_state import all_reduce, divide, tp_rank_and_size
+from tplab.layers.cpu_gemm import Gemm, GemmLayer
+from tplab.layers.weights import copy_into, expect_shape
 
 
-def _onednn_works() -> bool:
-    if os.environ.get("TPLAB_ONEDNN", "1") == "0" or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        x, w = torch.ones(2, 3), torch.ones(4, 3)
-        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w))
-    except (AttributeError, RuntimeError):
-        return False
+class LinearBase(nn.Module, GemmLayer):
+    """A ``(out_local, in_local)`` weight (and optional ``out_local`` bias) with a ``weight_loader``.
 
-
-_ONEDNN = _onednn_works()
-
-
-# The row count oneDNN is told to pack a weight for. It picks the layout from it: here 4 and 16 give
-# the same blocked layout (AB16b64a), 1 gives the plain one (no faster at 16 rows).
-PACK_FOR_ROWS = 4
-
-
-def _packing_works() -> bool:
-    if not _ONEDNN or os.environ.get("TPLAB_PACK_WEIGHTS", "1") == "0":
-        return False
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            x, w = torch.ones(2, 32, dtype=dtype), torch.ones(8, 32, dtype=dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS)
-            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w)):
-                return False
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_PACK = _packing_works()
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``. On CPU through oneDNN's inner product: torch's default CPU path
-    (MKL) streams fp32 weights at about half the memory bandwidth for the few rows of a decode
-    step, and decode is nothing but streaming weights (bench/ measures it; ``TPLAB_ONEDNN=0``
-    switches back to ``F.linear``). Same maths; the summation order differs at the 1e-7 level.
-    ``weight`` may be a plain tensor or one packed by ``pack_linear_weights``."""
-    if _ONEDNN and x.device.type == "cpu":
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``packed(weight)`` packs: packing on and available, a CPU weight in fp32 or bf16."""
-    return _PACK and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-
-
-def packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` reordered once into oneDNN's blocked layout for ``linear`` (None where it cannot be)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS) if can_pack(weight) else None
-
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """After loading, on CPU: reorder the weight of every tplab linear layer once into oneDNN's
-    blocked layout, and drop the plain copy (vLLM's CPU backend does the same after loading);
-    returns how many layers were packed. (The LM head is packed by ``pack_lm_head``.)
-
-    Why: a matmul over the 16 rows of a batch of decodes runs about 1.5x faster on a packed fp32
-    weight, a prefill's about 10% faster, and a bf16 weight streams half the bytes of fp32 only when
-    packed (on a plain one oneDNN reorders it on every call). The price: a single sequence's fp32
-    decode (one row) runs about 10% slower than on the plain layout (bench/, README). The layer's ``weight`` stays a
-    parameter of the same shape and dtype on the ``meta`` device (its bytes still count in
-    ``param_bytes``; reading its values is an error), and ``packed_weight`` holds the numbers.
-    Only layers whose ``forward`` is tplab's own are packed: a replacement part that reads
-    ``self.weight`` keeps it. ``TPLAB_PACK_WEIGHTS=0`` (or ``TPLAB_ONEDNN=0``) turns it off."""
-    count = 0
-    for module in model.modules():
-        if not (isinstance(module, LinearBase) and type(module).forward in _OWN_FORWARDS):
-            continue
-        weight = module.weight
-        module.packed_weight = packed(weight)
-        if module.packed_weight is None:
-            continue
-        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                     requires_grad=False)
-        count += 1
-    return count
-
-
-class LinearBase(nn.Module):
-    """A ``(out_local, in_local)`` weight (and optional ``out_local`` bias) with a ``weight_loader``."""
+    After loading, ``process_weights_after_loading(gemm)`` (``tplab.layers.cpu_gemm``) reorders the weight
+    once for oneDNN where the config packs: ``packed_weight`` then holds the numbers, and ``weight`` stays a
+    parameter of the same shape and dtype on the ``meta`` device (its bytes still count in ``param_bytes``;
+    reading its values is an error), as vLLM's CPU backend drops the plain copy."""
+    packs_weight = True                  # forward reads packed_weight when there is one
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank=None, tp_size=None):
         super().__init__()
@@ -113,13 +34,26 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.packed_weight = None        # set by pack_linear_weights once the weights are loaded
+        self.packed_weight = None        # set by process_weights_after_loading where the config packs
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         raise NotImplementedError
 
+    def process_weights_after_loading(self, gemm: Gemm) -> bool:
+        self.gemm = gemm
+        if not (self.packs_weight and gemm.can_pack(self.weight)):
+            return False
+        weight = self.weight
+        self.packed_weight = gemm.packed(weight)
+        self.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+        return True
+
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight ``forward`` multiplies by: the packed copy when there is one."""
+        return self.weight if self.packed_weight is None else self.packed_weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight if self.packed_weight is None else self.packed_weight, self.bias)
+        return self.gemm.linear(x, self.gemm_weight(), self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -246,13 +180,11 @@ class RowParallelLinear(LinearBase):
         cols = param.shape[1]
         copy_into(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
 
+    packs_weight = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.packed_weight is None else self.packed_weight
-        y = linear(x, weight, self.bias if self.tp_rank == 0 else None)
+        y = self.gemm.linear(x, self.gemm_weight(), self.bias if self.tp_rank == 0 else None)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
-
-
-_OWN_FORWARDS = (LinearBase.forward, RowParallelLinear.forward)   # the forwards that read packed_weight
 
 
 def valid_tp_sizes(total_num_heads: int, total_num_kv_heads: int, *other_sizes: int) -> list[int]:

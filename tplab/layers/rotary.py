@@ -71,26 +71,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cached", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if self.apply_fn is apply_rotary:   # tplab's own rotation never changes cos/sin: share them
-            cos, sin = _rows_of(self.cos_cached, self.sin_cached, positions, q.dtype)   # (T, D) each
-        else:                               # a replacement gets rows of its own, to do with as it likes
-            cos, sin = (t.index_select(0, positions).to(q.dtype) for t in (self.cos_cached, self.sin_cached))
+        # rows of this layer's own: a rotation (a learner's, a pitfall's) may do with them what it likes
+        cos = self.cos_cached.index_select(0, positions).to(q.dtype)     # (T, D)
+        sin = self.sin_cached.index_select(0, positions).to(q.dtype)
         return self.apply_fn(q, k, cos, sin)
-
-
-# The last lookup: (positions, tables, dtype) -> (cos, sin). Every layer of a step passes the same
-# positions tensor (the step's metadata, built fresh each step and never changed in place) and shares
-# one table, so the rows are looked up once per step, not once per layer: four ops fewer in each
-# layer of a decode step, where such fixed costs are what attention costs. Holding the positions
-# keeps the identity check sound: a later step's tensor cannot reuse its id.
-_last_rows: list = [None]
-
-
-def _rows_of(cos_table, sin_table, positions, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    last = _last_rows[0]
-    if last is not None and last[0] is positions and last[1] is cos_table and last[2] is sin_table and last[3] == dtype:
-        return last[4], last[5]
-    cos = cos_table.index_select(0, positions).to(dtype)
-    sin = sin_table.index_select(0, positions).to(dtype)
-    _last_rows[0] = (positions, cos_table, sin_table, dtype, cos, sin)
-    return cos, sin

@@ -16,7 +16,7 @@ from torch import nn
 
 from tplab.distributed.parallel_state import tp_rank_and_size
 from tplab.layers.activation import SiluAndMul
-from tplab.layers.attention import AttentionMetadata
+from tplab.layers.metadata import AttentionMetadata
 from tplab.layers.norm import RMSNorm
 from tplab.layers.rotary import RotaryEmbedding, rope_settings
 

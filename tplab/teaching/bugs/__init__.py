@@ -4,11 +4,10 @@
 itself has no ``if bug:`` branches. Each replacement's docstring quotes the review notes on the
 pitfall it reproduces. A bug replaces fields of ``tplab.Parts`` (attention, RoPE, the linear
 layers, the LM head, the positions function, the checkpoint loader); bugs that replace
-different fields combine. This package registers them with ``tplab.engine.parts``, the one
-place where parts are resolved. By area: ``attention``, ``rope``, ``sharding``, ``positions``,
+different fields combine. ``tplab.engine.parts``, the one place where parts are resolved, finds
+them here by name (``BUGS``) when an engine asks for one. By area: ``attention``, ``rope``, ``sharding``, ``positions``,
 ``loading``.
 """
-from tplab.engine import parts
 from tplab.teaching.bugs.attention import RepeatedKVAttention, mask_mul_inf_attend, no_mask_with_cache_attend
 from tplab.teaching.bugs.loading import RandomLMHead, UnloadedLMHead, full_load_per_rank_load
 from tplab.teaching.bugs.positions import decode_with_positions, greedy_with_positions, offby1_token_positions
@@ -17,8 +16,8 @@ from tplab.teaching.bugs.rope import (no_rope_apply, rope_cos_sin_axis_apply, ro
 from tplab.teaching.bugs.sharding import (Dim1MergedColumnParallelLinear, Dim1QKVParallelLinear,
                                           PresizedQKVParallelLinear)
 
-# name -> {field of tplab.Parts: replacement}
-_BUGS = {
+# name -> {field of tplab.Parts: replacement}: the catalogue tplab.engine.parts looks names up in
+BUGS = {
     # attention: the causal mask, what the cache holds (notebooks 01, 04, 05)
     "mask_mul_inf": {"attend": mask_mul_inf_attend},
     "no_mask_with_cache": {"attend": no_mask_with_cache_attend},
@@ -37,17 +36,15 @@ _BUGS = {
     "lm_head_random": {"lm_head": RandomLMHead},
     "full_load_per_rank": {"load_weights": full_load_per_rank_load},
 }
-for _name, _replacements in _BUGS.items():
-    parts.register(_name, **_replacements)
-NAMES = tuple(_BUGS)
+NAMES = tuple(BUGS)
 
 
 def describe(name: str) -> str:
     """The pitfall a bug reproduces (its replacement's docstring)."""
-    if name not in _BUGS:
+    if name not in BUGS:
         raise ValueError(f"unknown bug name {name!r}; known: {list(NAMES)}")
-    return next(iter(_BUGS[name].values())).__doc__.strip()
+    return next(iter(BUGS[name].values())).__doc__.strip()
 
 
 __all__ = ["NAMES", "describe", "decode_with_positions", "greedy_with_positions", *(
-    r.__name__ for reps in _BUGS.values() for r in reps.values())]
+    r.__name__ for reps in BUGS.values() for r in reps.values())]

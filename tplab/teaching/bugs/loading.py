@@ -3,7 +3,6 @@ checkpoint read on every rank."""
 import torch
 
 from tplab.layers.embed_head import ParallelLMHead
-from tplab.layers.linear import linear
 from tplab.models.loader import LoadReport, checkpoint_files, default_weight_loader, param_for
 
 
@@ -25,7 +24,7 @@ class UnloadedLMHead(ParallelLMHead):
         return torch.zeros_like(self.weight)
 
     def forward(self, hidden, gather_output: bool = True):
-        logits = linear(hidden, self.unloaded)                      # not self.weight: (N, per_rank)
+        logits = self.gemm.linear(hidden, self.unloaded)            # not self.weight: (N, per_rank)
         return self.gather(logits) if gather_output else logits
 
 
