@@ -184,7 +184,9 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
         return ExerciseResult(name, None, "not attempted yet: write the part exercises (notebooks 02, 04, 05 and "
                                           "06: `# Exercise: row_linear` ...), run their cells, then this one")
     if stubs:
-        return ExerciseResult(name, None, f"{NOT_DONE}; still stubs: {', '.join(stubs)}")
+        return ExerciseResult(name, None, f"not attempted yet: still stubs: {', '.join(stubs)}. Write them in their "
+                              "`# Exercise:` cells (notebooks 02, 04, 05 and 06), run those cells, then this one; "
+                              "or hand check_engine only the parts you finished")
     result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
     if result.ok and missing:
         result.message += f" (tplab's own {', '.join(missing)}: write them too to make it all yours)"
