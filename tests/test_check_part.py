@@ -209,6 +209,18 @@ def test_more_mistakes_are_named(name, impl, words):
     assert result.ok is False and words in result.message, result.message
 
 
+class Float64InTheEngineOnly(Row):
+    """Right on the probe's 3 tokens, float64 on longer inputs: the next layer of the real model meets it."""
+    def forward(self, x):
+        y = super().forward(x)
+        return y.double() if x.shape[0] > 3 else y
+
+
+def test_a_float64_that_reaches_the_next_layer_gets_a_dtype_hint():
+    result = check_part("row_linear", Float64InTheEngineOnly)
+    assert result.ok is False and "another dtype than the model's" in result.message, result.message
+
+
 class TrainableRow(Row):
     """Parameters with requires_grad=True: the engine steps under torch.inference_mode, so this is harmless."""
     def __init__(self, input_size, output_size, bias=False, tp_rank=None, tp_size=None):

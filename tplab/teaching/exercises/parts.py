@@ -33,6 +33,10 @@ LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: p
 HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
     ("attention", "shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
                            "per slot) has no room for them: store the KV heads, repeat only for the scores"),
+    (None, "itensor_view_from_dense", "oneDNN got a tensor of another dtype than the model's: a part returned, "
+           "or made, float64 (or another dtype); keep x's dtype (dtype=x.dtype, or .to(x.dtype))"),
+    (None, "to have the same dtype", "two tensors of different dtypes met: a part returned, or made, another dtype "
+           "than the model's (float64?); keep x's dtype (dtype=x.dtype, or .to(x.dtype))"),
     (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
            "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
            "all_gather(x, tp_size), which do"),
