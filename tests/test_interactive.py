@@ -122,3 +122,9 @@ def test_notebooks_draw_through_plotting_with_no_smaller_text():
             assert all(8 <= w <= 10 for w in widths), (path.name, widths)
             found += widths
     assert len(found) >= 10, found                                   # the pattern does find the call sites
+
+
+def test_committed_notebooks_stay_well_under_1_mb():
+    from pathlib import Path
+    sizes = {p.name: p.stat().st_size for p in (Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")}
+    assert sizes and max(sizes.values()) < 800_000, sizes       # 9-inch figures at 100 dpi: about 480 KB at most
