@@ -188,6 +188,11 @@ class RowFloat64Out(Row):
         return super().forward(x).double()
 
 
+class HeadFloat64(Head):
+    def forward(self, hidden):
+        return super().forward(hidden).double()
+
+
 class RowFloat64Weight(Row):
     def __init__(self, input_size, output_size, bias=False, tp_rank=None, tp_size=None):
         super().__init__(input_size, output_size, bias, tp_rank, tp_size)
@@ -203,7 +208,8 @@ class RowFloat64Weight(Row):
     ("embedding", MaskedNotZeroed, "masked to a valid row (local row 0) but that row was not zeroed"),
     ("row_linear", RowFloat64Out, "forward's output is torch.float64, but the engine runs this layer in "
                                   "torch.float32"),
-    ("row_linear", RowFloat64Weight, "`weight` is torch.float64, but the engine runs this layer in torch.float32")])
+    ("row_linear", RowFloat64Weight, "`weight` is torch.float64, but the engine runs this layer in torch.float32"),
+    ("lm_head", HeadFloat64, "forward's output is torch.float64, but the engine runs this layer in torch.float32")])
 def test_more_mistakes_are_named(name, impl, words):
     result = check_part(name, impl)
     assert result.ok is False and words in result.message, result.message
