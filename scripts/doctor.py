@@ -9,6 +9,7 @@ It imports torch and tplab only inside the checks, so a broken install is report
 """
 from __future__ import annotations     # an old Python must reach check_python, not fail on the annotations
 
+import json
 import os
 import platform
 import shutil
@@ -20,21 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
-# Measured on the workbook's reference machine (2 cores of an AMD EPYC shared with other jobs, load
-# average about 1.3, torch 2.13.0+cpu, Linux: ranks forked from the fork server): each notebook's nbval
-# run in a fresh kernel, one notebook at a time (as committed), and this script's two-rank run beside each
-# (median). docs/workshop.md has the table. Estimates for another machine scale by the ratio of its
-# two-rank run to this one.
-REFERENCE_RANKS_SECONDS = 1.64
-REFERENCE_NOTEBOOK_SECONDS = {
-    "00_why_tensor_parallel": 16,
-    "01_causal_mask_nan": 15,
-    "02_sharding_column_row": 24,
-    "03_rope_shapes": 25,
-    "04_gqa_kv_cache": 16,
-    "05_paged_attention": 21,
-    "06_full_tp_generation": 24,
-}
+# Measured on the workbook's reference machine (bench/notebook_times.json says which; README.md and
+# docs/workshop.md quote the same file): each notebook's nbval run in a fresh kernel, one notebook at a
+# time (as committed), and this script's two-rank run beside each (median). Estimates for another machine
+# scale by the ratio of its two-rank run to this one.
+_TIMES = json.loads((ROOT / "bench" / "notebook_times.json").read_text())
+REFERENCE_RANKS_SECONDS = _TIMES["ranks_seconds"]
+REFERENCE_NOTEBOOK_SECONDS = {name: t["committed"] for name, t in _TIMES["notebooks"].items()}
 SLOW_SECONDS = 120            # a notebook a room waits on longer than this gets named
 # Notebook 06 at its peak (kernel, HF's model, TP 1/2/4 ranks): 2.3 GiB PSS, 3.4 GiB summed RSS, measured
 NEED_MEMORY, WANT_MEMORY = int(2.5 * GiB), 4 * GiB

@@ -9,7 +9,7 @@ import torch
 
 from tplab import LLM, SamplingParams
 from tplab.distributed.parallel_state import all_gather, all_reduce
-from tplab.exercises import FORGOT_RETURN, check_part
+from tplab.exercises import FORGOT_RETURN, check_engine, check_part
 from tplab.teaching.exercises.parts import reference
 from tplab.teaching.solutions import PARTS, define
 
@@ -162,6 +162,89 @@ def test_lm_head_mistakes_are_named(impl, words):
     assert result.ok is False and words in result.message, result.message
 
 
+class GateUpDim1Reshaped(GateUp):
+    """The student's shard_dim1 bug in the fused loader: input columns narrowed, reshaped into the shard's rows."""
+    def weight_loader(self, param, loaded, shard_id):
+        rows, cols = self.local_sizes[shard_id], loaded.shape[1] // self.tp_size
+        part = loaded.narrow(1, self.tp_rank * cols, cols).materialize().reshape(rows, -1)
+        param.data.narrow(0, sum(self.local_sizes[:shard_id]), rows).copy_(part)
+
+
+class KVSwapped(QKV):
+    def weight_loader(self, param, loaded, shard_id):
+        super().weight_loader(param, loaded, {"k": "v", "v": "k"}.get(shard_id, shard_id))
+
+
+class MaskedNotZeroed(Embedding):
+    """Sends the ids it does not own to local row 0, and forgets to zero those rows."""
+    def forward(self, input_ids):
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.per_rank)
+        return all_reduce(self.weight[local.masked_fill(~mine, 0)], self.tp_size)
+
+
+class RowFloat64Out(Row):
+    def forward(self, x):
+        return super().forward(x).double()
+
+
+class HeadFloat64(Head):
+    def forward(self, hidden):
+        return super().forward(hidden).double()
+
+
+class RowFloat64Weight(Row):
+    def __init__(self, input_size, output_size, bias=False, tp_rank=None, tp_size=None):
+        super().__init__(input_size, output_size, bias, tp_rank, tp_size)
+        self.weight.data = self.weight.data.double()
+
+    def forward(self, x):
+        return super().forward(x.double()).float()
+
+
+@pytest.mark.parametrize("name, impl, words", [
+    ("gate_up_linear", GateUpDim1Reshaped, "input columns (dim 1), reshaped into rows"),
+    ("qkv_linear", KVSwapped, "holds [q | v | k]: the k and v rows are swapped"),
+    ("embedding", MaskedNotZeroed, "masked to a valid row (local row 0) but that row was not zeroed"),
+    ("row_linear", RowFloat64Out, "forward's output is torch.float64, but the engine runs this layer in "
+                                  "torch.float32"),
+    ("row_linear", RowFloat64Weight, "`weight` is torch.float64, but the engine runs this layer in torch.float32"),
+    ("lm_head", HeadFloat64, "forward's output is torch.float64, but the engine runs this layer in torch.float32")])
+def test_more_mistakes_are_named(name, impl, words):
+    result = check_part(name, impl)
+    assert result.ok is False and words in result.message, result.message
+
+
+class Float64InTheEngineOnly(Row):
+    """Right on the probe's 3 tokens, float64 on longer inputs: the next layer of the real model meets it."""
+    def forward(self, x):
+        y = super().forward(x)
+        return y.double() if x.shape[0] > 3 else y
+
+
+def test_a_float64_that_reaches_the_next_layer_gets_a_dtype_hint():
+    result = check_part("row_linear", Float64InTheEngineOnly)
+    assert result.ok is False and "another dtype than the model's" in result.message, result.message
+
+
+class TrainableRow(Row):
+    """Parameters with requires_grad=True: the engine steps under torch.inference_mode, so this is harmless."""
+    def __init__(self, input_size, output_size, bias=False, tp_rank=None, tp_size=None):
+        super().__init__(input_size, output_size, bias, tp_rank, tp_size)
+        for p in self.parameters():
+            p.requires_grad_(True)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        with torch.no_grad():
+            super().weight_loader(param, loaded, shard_id)
+
+
+def test_parameters_that_require_grad_are_accepted():
+    assert all(p.requires_grad for p in TrainableRow(12, 8, bias=True, tp_rank=0, tp_size=1).parameters())
+    result = check_part("row_linear", TrainableRow)
+    assert result.ok is True, result.message
+
+
 class Stub(torch.nn.Module):
     def __init__(self, input_size, output_size, bias=False, tp_rank=None, tp_size=None):
         super().__init__()
@@ -192,6 +275,12 @@ def test_a_stub_is_not_attempted_and_a_missing_return_is_named():
     result = check_part("row_linear", ForgetsReturn)
     assert result.ok is False and result.message.endswith(FORGOT_RETURN.replace("returned", "forward returned")), \
         result.message
+
+
+def test_the_finale_names_the_parts_still_stubs_and_where_to_write_them():
+    result = check_engine({"row_linear": Stub, "gate_up_linear": GateUp})
+    assert result.ok is None and "still stubs: row_linear." in result.message, result.message
+    assert "stub above" not in result.message and "`# Exercise:` cells" in result.message
 
 
 def test_a_part_that_raises_in_a_rank_names_the_rank_and_line_and_the_next_call_works():

@@ -49,7 +49,29 @@ class Tiled(MyAttention):
         return out.flatten(1)
 
 
+class IgnoresTheCache(MyAttention):
+    """Writes the cache, but attends only to this step's own keys and values."""
+    def forward(self, q, k, v, kv_cache, meta):
+        k_cache, v_cache = (c.view(-1, *c.shape[2:]) for c in kv_cache)
+        k_cache[meta.slot_mapping], v_cache[meta.slot_mapping] = k, v
+        out, group = torch.empty_like(q), self.num_heads // self.num_kv_heads
+        for b in range(meta.num_seqs):
+            s, e = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+            keys, values = (t[s:e].transpose(0, 1).repeat_interleave(group, 0) for t in (k, v))
+            mask = meta.visible[b][:, -(e - s):]                         # the new keys' columns only
+            out[s:e] = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), keys, values, attn_mask=mask,
+                                                      scale=self.scale).transpose(0, 1)
+        return out.flatten(1)
+
+
+class Float64(MyAttention):
+    def forward(self, q, k, v, kv_cache, meta):
+        return super().forward(q, k, v, kv_cache, meta).double()
+
+
 @pytest.mark.parametrize("impl, words", [
+    (IgnoresTheCache, "decode: attends only to this step's new keys, not to the cached ones"),
+    (Float64, "returned torch.float64, but the engine runs attention in torch.float32"),
     (RepeatedInCache, "store the KV heads, repeat only for the scores"),
     (NoMask, "the prefill's queries see later keys"),
     (Tiled, "it must read KV head h // (H / H_kv)")])

@@ -52,7 +52,8 @@ class NeverRegistersOnAppend(MyBlockManager):
 @pytest.mark.parametrize("impl, words", [
     (NeverFrees, "after free(A): used is 7, expected 5"),
     (IgnoresTheCache, "after allocate(B): the same 8-token prefix + 1: cached is"),
-    (NeverRegistersOnAppend, "fits is 2, expected 3")])
+    (NeverRegistersOnAppend, "fits is 2, expected 3. A's third block filled up in may_append"),
+    (NeverRegistersOnAppend, "register it in the cache")])
 def test_block_manager_mistakes_are_named(impl, words):
     result = check_part("block_manager", impl)
     assert result.ok is False and words in result.message, result.message

@@ -125,3 +125,8 @@ def test_sends_and_recvs_that_never_pair_up_time_out_with_a_hint():
         return x + incoming
     result = nb00.check_ring_all_reduce(both_right, world_sizes=WORLD3, timeout=10)
     assert result.ok is False and "never comes" in result.message
+
+
+def test_a_float64_result_names_the_dtype_it_should_keep():
+    result = nb00.check_ring_all_reduce(lambda x: ring_all_reduce(x).double(), world_sizes=WORLD3)
+    assert result.ok is False and "returned torch.float64, but x is torch.float32" in result.message, result.message

@@ -47,3 +47,11 @@ def test_check_causal_mask_rejects_a_hidden_diagonal():
 def test_check_causal_mask_reports_a_crash_as_wrong_not_as_an_exception():
     result = nb01.check_causal_mask(lambda q, k: torch.ones(q, q, dtype=torch.bool).tril()[:, :k].view(k, -1))
     assert result.ok is False and "raised RuntimeError" in result.message
+
+
+def test_check_causal_mask_names_an_int64_mask_as_integer_not_float():
+    def as_int64(q, k):
+        return torch.ones(q, k, dtype=torch.long).tril(k - q)      # the right 1s, the wrong dtype
+    result = nb01.check_causal_mask(as_int64)
+    assert result.ok is False and "dtype torch.int64: return booleans" in result.message, result.message
+    assert "A float mask built by multiplying" not in result.message and "`.bool()`" in result.message

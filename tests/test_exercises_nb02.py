@@ -52,3 +52,8 @@ def test_check_shard_rejects_the_wrong_rank():
 def test_check_shard_reports_a_crash_as_wrong_not_as_an_exception():
     result = nb02.check_shard(lambda w, rank, tp, kind: w.chunk(tp, dim={"column": 0}[kind])[rank])
     assert result.ok is False and "raised KeyError" in result.message
+
+
+def test_check_shard_names_a_float64_shard():
+    result = nb02.check_shard(lambda w, rank, tp, kind: SOLUTION(w, rank, tp, kind).double())
+    assert result.ok is False and "torch.float64, but the weight is torch.float32" in result.message, result.message

@@ -52,3 +52,9 @@ def test_check_apply_rope_names_the_interleaved_layout():
 def test_check_apply_rope_names_no_rotation():
     result = nb03.check_apply_rope(lambda x, cos, sin: x)
     assert result.ok is False and "no_rope" in result.message
+
+
+def test_check_apply_rope_names_a_float64_result():
+    result = nb03.check_apply_rope(lambda x, cos, sin: apply_rotary(x, x, cos, sin)[0].double())
+    assert result.ok is False and "returned torch.float64, but x, cos and sin are torch.float32" in result.message, \
+        result.message

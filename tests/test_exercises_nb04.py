@@ -37,3 +37,8 @@ def test_check_repeat_kv_rejects_repeat_instead_of_repeat_interleave():
 def test_check_repeat_kv_rejects_repeating_the_wrong_dimension():
     result = nb04.check_repeat_kv(lambda k, n: k.repeat_interleave(n, dim=2))
     assert result.ok is False and "shape" in result.message
+
+
+def test_check_repeat_kv_names_a_float64_result():
+    result = nb04.check_repeat_kv(lambda k, n: k.double().repeat_interleave(n, 1))
+    assert result.ok is False and "returned torch.float64, but k is torch.float32" in result.message, result.message

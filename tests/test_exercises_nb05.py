@@ -49,3 +49,18 @@ def test_slot_mapping_error_is_reported_not_raised():
         return block_table[positions]                     # TypeError: list indices
     result = nb05.check_slot_mapping(broken)
     assert result.ok is False and "TypeError" in result.message
+
+
+def test_slot_mapping_counterexamples_come_with_a_diagnosis():
+    mistakes = {
+        "a position is not a slot": lambda bt, ps, bs: list(ps),
+        "not multiplied by block_size": lambda bt, ps, bs: [bt[p // bs] + p % bs for p in ps],
+        "counted from 0, not by their positions": lambda bt, ps, bs: [bt[i // bs] * bs + i % bs
+                                                                      for i in range(len(ps))],
+        "only this step's new tokens": lambda bt, ps, bs: [bt[p // bs] * bs + p % bs for p in range(ps[-1] + 1)],
+        "block and offset swapped": lambda bt, ps, bs: [(p % bs) * bs + bt[p // bs] for p in ps],
+    }
+    for words, wrong in mistakes.items():
+        result = nb05.check_slot_mapping(wrong)
+        assert result.ok is False and "build_metadata gives" in result.message and words in result.message, \
+            (words, result.message)

@@ -30,3 +30,18 @@ def test_vocab_shard_range_stub_is_not_attempted():
         raise NotImplementedError
     result = nb06.check_vocab_shard_range(stub)
     assert result.ok is None and "not attempted" in repr(result)
+
+
+def test_vocab_shard_range_counterexamples_come_with_a_diagnosis():
+    ceil = lambda v, tp: -(-v // tp)
+    mistakes = {
+        "last rows belong to no rank": lambda v, r, tp: (r * (v // tp), (r + 1) * (v // tp)),
+        "the remainder is given to the last rank": lambda v, r, tp: (r * (v // tp),
+                                                                     v if r == tp - 1 else (r + 1) * (v // tp)),
+        "the end runs past the vocabulary": lambda v, r, tp: (r * ceil(v, tp), (r + 1) * ceil(v, tp)),
+        "end is exclusive": lambda v, r, tp: (r * ceil(v, tp), min((r + 1) * ceil(v, tp), v) - 1),
+    }
+    for words, wrong in mistakes.items():
+        result = nb06.check_vocab_shard_range(wrong)
+        assert result.ok is False and "VocabParallelEmbedding holds rows" in result.message \
+            and words in result.message, (words, result.message)

@@ -82,3 +82,49 @@ def test_token_figure_wraps_lines_and_colours_each_piece():
     plt.close(fig)
     with pytest.raises(ValueError, match="one colour per piece: got 2 pieces and 1 colours"):
         plotting.token_figure(["a", "b"], [None], "t")
+
+
+def _texts(fig):
+    """Every visible text of a drawn figure: tick labels, labels, titles, legends, annotations."""
+    fig.canvas.draw()
+    return [t for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text()]
+
+
+def test_plotting_figures_read_at_100_percent_zoom():
+    from types import SimpleNamespace
+    rows = [SimpleNamespace(name=f"model.layers.{i}.mlp", max_abs=10.0 ** -i) for i in range(6)]
+    figs = [plotting.plot_layer_diffs({"a": rows, "b": rows}), plotting.token_figure(["x"] * 3, [None] * 3, "t")]
+    fig, ax = plotting.figure(2)
+    ax[0].plot([1, 2], label="line"), ax[0].legend(), ax[1].set_title("t"), ax[1].text(0, 0, "note")
+    for f in [*figs, fig]:
+        width_px = f.get_figwidth() * f.dpi
+        assert 800 <= width_px <= 1000, width_px                            # a notebook's output width
+        small = [(t.get_text(), t.get_fontsize()) for t in _texts(f) if t.get_fontsize() < 9]
+        assert not small, small
+        plt.close(f)
+
+
+def test_notebooks_draw_through_plotting_with_no_smaller_text():
+    import re
+    from pathlib import Path
+
+    import nbformat
+    found = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code":
+                continue
+            assert not re.search(r"plt\.(subplots|figure)\(|figsize=", cell.source), (path.name, cell.source)
+            sizes = [float(s) for s in re.findall(r"fontsize=(\d+(?:\.\d+)?)", cell.source)]
+            assert all(s >= 9 for s in sizes), (path.name, sizes)
+            widths = [float(w) for w in re.findall(r"plotting\.figure\((?:ncols=)?\w+(?:\([^)]*\))?, "
+                                                   r"(?:width=)?(\d+(?:\.\d+)?)", cell.source)]
+            assert all(8 <= w <= 10 for w in widths), (path.name, widths)
+            found += widths
+    assert len(found) >= 10, found                                   # the pattern does find the call sites
+
+
+def test_committed_notebooks_stay_well_under_1_mb():
+    from pathlib import Path
+    sizes = {p.name: p.stat().st_size for p in (Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")}
+    assert sizes and max(sizes.values()) < 800_000, sizes       # 9-inch figures at 100 dpi: about 480 KB at most

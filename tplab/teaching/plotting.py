@@ -1,4 +1,7 @@
-"""Plots the notebooks share: small fixed-size figures, so notebooks stay well under 1 MB.
+"""Plots the notebooks share, in one style: figures about 9 inches wide at 100 dpi (900 px, the width of a
+notebook's output area at 100% zoom), tick labels of 9 pt and more, so they read without zooming while
+the notebooks stay well under 1 MB. Every figure of the notebooks is made by ``figure`` (or
+``token_figure``), which applies ``STYLE``.
 
 Every diff plot goes through ``draw_diffs``: a log axis for the finite differences, the bound
 (``tplab.golden``) as a dashed line, and two bands of their own, "exact (0)" at the bottom and "NaN / inf" at the
@@ -8,12 +11,21 @@ import math
 
 import matplotlib.pyplot as plt
 
-FIGSIZE, DPI = (7.0, 2.8), 72
+FIGSIZE, DPI = (9.0, 3.2), 100
 BAND = 30.0                 # height of the exact and NaN/inf bands, as a factor on the log axis
+STYLE = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "xtick.labelsize": 9,
+         "ytick.labelsize": 9, "legend.fontsize": 9, "figure.titlesize": 11, "figure.dpi": DPI,
+         "savefig.dpi": DPI}   # the smallest text (ticks, legends) 9 pt: readable at 100% zoom
+
+
+def use_style() -> None:
+    """Apply ``STYLE`` (matplotlib reads its sizes when an artist is made, so before drawing)."""
+    plt.rcParams.update(STYLE)
 
 
 def figure(ncols: int = 1, width: float = FIGSIZE[0], height: float = FIGSIZE[1]):
-    """A small figure with ``ncols`` axes side by side."""
+    """A figure in the notebooks' style with ``ncols`` axes side by side."""
+    use_style()
     fig, axes = plt.subplots(1, ncols, figsize=(width, height), dpi=DPI)
     return fig, axes
 
@@ -56,12 +68,12 @@ def draw_diffs(ax, series: dict, tol=None, xs=None, ylabel: str = "max |tplab - 
     inner = range(round(math.log10(low)) + 1, round(math.log10(high)))    # decades between the bands
     decades = [10.0 ** e for e in inner[::1 if len(inner) <= 5 else 2]]
     ax.set_yticks([exact_y, *decades, bad_y], ["exact 0", *(f"1e{round(math.log10(d))}" for d in decades),
-                                               "NaN/inf"], fontsize=7)
+                                               "NaN/inf"])
     ax.minorticks_off()
-    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_ylabel(ylabel)
     if xlabel:
-        ax.set_xlabel(xlabel, fontsize=8)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)   # off the data
+        ax.set_xlabel(xlabel)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)   # off the data
     return low, high
 
 
@@ -78,13 +90,13 @@ def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", t
                ylabel=ylabel, xlabel=xlabel)
     step = max(1, len(names) // 12)
     ax.set_xticks(range(0, len(names), step), [short_name(n) for n in names[::step]], rotation=45,
-                  ha="right", fontsize=7)
-    ax.set_title(title, fontsize=9)
+                  ha="right")
+    ax.set_title(title)
     fig.tight_layout()
     return fig
 
 
-def token_figure(pieces: list[str], colors: list, title: str, chars: int = 96, fontsize: float = 8):
+def token_figure(pieces: list[str], colors: list, title: str, chars: int = 96, fontsize: float = 10):
     """Text drawn piece by piece (tokens, say) in monospace lines of at most ``chars`` characters, each
     piece on its own background colour (None: no background), under ``title``. Returns the figure."""
     if len(pieces) != len(colors):
@@ -96,7 +108,8 @@ def token_figure(pieces: list[str], colors: list, title: str, chars: int = 96, f
                 row, col = row + 1, 0
             placed.append((col, row, part, color))
             col += len(part)
-    fig = plt.figure(figsize=(FIGSIZE[0], 0.5 + 0.22 * (row + 1)), dpi=DPI)
+    use_style()
+    fig = plt.figure(figsize=(FIGSIZE[0], 0.6 + 0.24 * (row + 1)), dpi=DPI)   # 96 monospace chars of 10 pt fit 9 in
     ax = fig.add_axes((0.02, 0.02, 0.96, 1 - 0.4 / fig.get_figheight()))
     for x, y, part, color in placed:
         box = dict(facecolor=color, edgecolor="none", pad=0.6) if color else None
@@ -104,7 +117,7 @@ def token_figure(pieces: list[str], colors: list, title: str, chars: int = 96, f
     ax.set_xlim(0, chars)
     ax.set_ylim(row + 0.6, -0.6)
     ax.axis("off")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title)
     return fig
 
 

@@ -10,15 +10,17 @@ TABLES = [[2, 0], [3]]                             # sequence 0: 5 tokens then 6
 STEPS = [([5, 3], [5, 3]), ([1, 1], [6, 4])]       # (query_lens, context_lens) of the prefill, the decode
 
 
-def _reference(q, k, v, step, *, causal=True, tiled=False, scale=D ** -0.5) -> torch.Tensor:
-    """Plain attention for one step: each sequence's new queries over its keys so far, (T, H * D)."""
+def _reference(q, k, v, step, *, causal=True, tiled=False, scale=D ** -0.5, new_only=False) -> torch.Tensor:
+    """Plain attention for one step: each sequence's new queries over its keys so far (over this step's keys
+    only, when ``new_only``: the cache ignored), (T, H * D)."""
     rep = (lambda t: t.repeat(H // H_KV, 1, 1)) if tiled else (lambda t: t.repeat_interleave(H // H_KV, 0))
     out = []
     for qb, kb, vb, ql, c in zip(q, k, v, *step):                      # per sequence
-        s = qb[c - ql:c].transpose(0, 1) @ rep(kb[:c].transpose(0, 1)).transpose(1, 2) * scale   # (H, Lq, Lk)
+        lo = c - ql if new_only else 0                                 # the first key attended
+        s = qb[c - ql:c].transpose(0, 1) @ rep(kb[lo:c].transpose(0, 1)).transpose(1, 2) * scale   # (H, Lq, Lk)
         if causal:
-            s = s.masked_fill(torch.arange(c)[None, :] > torch.arange(c - ql, c)[:, None], float("-inf"))
-        out.append((s.softmax(-1) @ rep(vb[:c].transpose(0, 1))).transpose(0, 1).flatten(1))   # (Lq, H * D)
+            s = s.masked_fill(torch.arange(lo, c)[None, :] > torch.arange(c - ql, c)[:, None], float("-inf"))
+        out.append((s.softmax(-1) @ rep(vb[lo:c].transpose(0, 1))).transpose(0, 1).flatten(1))   # (Lq, H * D)
     return torch.cat(out)
 
 
@@ -59,11 +61,18 @@ def diagnose(res) -> tuple[bool, str]:
          f"query head h reads KV head h % {H_KV}: it must read KV head h // (H / H_kv) (repeat_interleave, "
          "not repeat; or enable_gqa=True)"),
         ([_reference(*data, step, scale=1.0) for step in STEPS], "the scores are not scaled by 1 / sqrt(head_dim)"),
+        ([_reference(*data, step, new_only=True) for step in STEPS],
+         "attends only to this step's new keys, not to the cached ones: after writing k, v into the cache, read "
+         "sequence b's keys and values back from it at meta.seq_kv_slots(b) (its cached tokens, then this "
+         "step's), and attend to all of them"),
     ]
     for step, (out, want) in enumerate(zip(res["outs"], ref)):
         what = ("prefill", "decode")[step]
         if out.shape != want.shape:
             return False, f"{what}: returned shape {tuple(out.shape)}, expected (T, H * D) = {tuple(want.shape)}"
+        if out.dtype != want.dtype:
+            return False, (f"{what}: returned {out.dtype}, but the engine runs attention in {want.dtype} (the dtype "
+                           "of q, k, v and the cache, the model's): keep q's dtype (or cast with .to(q.dtype))")
         if torch.allclose(out, want, atol=1e-5):
             continue
         for rows, why in mistakes:

@@ -6,6 +6,18 @@ import torch
 from tplab.teaching.exercises.layer_probes import D, E, H, H_KV, I, V, close
 
 ALL_REDUCE = "tplab.distributed.parallel_state.all_reduce(y, tp_size) or torch.distributed.all_reduce(y)"
+# requires_grad=True on a part's parameters is not checked: the engine runs every step under
+# torch.inference_mode(), so no graph is recorded, no activation is kept for a backward and no .grad is
+# ever allocated; the numbers and the memory are the same as with requires_grad=False.
+
+
+def dtype_mistake(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """A sentence when ``got`` (a part's parameter or output) is not in the dtype the engine runs in."""
+    if not isinstance(got, torch.Tensor) or got.dtype == want.dtype:
+        return None
+    return (f"{what} is {got.dtype}, but the engine runs this layer in {want.dtype} (the model's dtype: its "
+            f"input's and its weights'): make new tensors with dtype=x.dtype (or the default dtype, which the "
+            f"engine sets to the model's), or cast with .to(x.dtype)")
 
 
 def _shape(t) -> tuple:
@@ -20,6 +32,9 @@ def _check_param(results, name, expected, what) -> str | None:
             return f"rank {r}: the layer has no parameter `{name}`"
         if _shape(got) != _shape(expected[r]):
             return f"rank {r}: `{name}` has shape {_shape(got)}, expected {_shape(expected[r])} ({what})"
+        wrong_dtype = dtype_mistake(f"`{name}`", got, expected[r])
+        if wrong_dtype:
+            return f"rank {r}: {wrong_dtype}"
         if not close(got, expected[r]):
             return f"rank {r}: `{name}` has the right shape but holds the wrong numbers ({what})"
     return None
@@ -29,6 +44,9 @@ def _check_output(results, expected, mistakes) -> tuple[bool, str]:
     """``mistakes``: list of (name, per-rank expected outputs, explanation); first matching rank wins."""
     for r, res in enumerate(results):
         out = res["out"]
+        wrong_dtype = dtype_mistake("forward's output", out, expected[r])
+        if wrong_dtype:
+            return False, f"rank {r}: {wrong_dtype}"
         if close(out, expected[r]):
             continue
         for _, outputs, why in mistakes:
@@ -85,6 +103,10 @@ def diagnose_gate_up_linear(spec, results, tp):
             bad = "rank 0 holds [up | gate]: shard_id 0 is gate_proj and goes first, shard_id 1 is up_proj"
         elif _shape(got) == (2 * I, E // tp):
             bad += "; yours keeps every row and a slice of the columns: sharded on the wrong dimension (dim 1)"
+        elif tp > 1 and close(got, torch.cat([t[:, :E // tp].reshape(rows, E) for t in (g, u)])):
+            bad = ("rank 0 holds gate's and up's first E / tp input columns (dim 1), reshaped into rows: the "
+                   "shape fits, but the numbers belong to other outputs (notebook 02's shard_dim1 bug). Column "
+                   "parallel splits the outputs: narrow dim 0, rows [rank * I / tp, (rank + 1) * I / tp)")
     if bad or "out" not in results[0]:                                      # weights only: stop here
         return not bad, bad or ""
     out = [x @ w.T for w in right]                                                  # (T, 2 I / tp)
@@ -116,6 +138,12 @@ def diagnose_qkv_linear(spec, results, tp):
                                f"{list(range(r * nh, (r + 1) * nh))} attend with KV head {r // reps}: with tp_size "
                                f"{tp} > {H_KV} KV heads, each KV head is replicated on {reps} neighbouring ranks, "
                                f"rank r keeps KV head r // {reps}")
+    for r, res in enumerate(results if bad else []):
+        g, nq = r // reps, nh * D
+        swapped = [torch.cat([f[:nq], f[nq + nkv * D:], f[nq:nq + nkv * D]]) for f in fused(r, g)]   # [q | v | k]
+        if close(res["params"].get("weight"), swapped[0]):
+            return False, (f"rank {r} holds [q | v | k]: the k and v rows are swapped. shard_id 'k' goes right after "
+                           "the q rows and 'v' last, the order in which attention splits the fused output")
     bad = bad or _check_param(results, "bias", [b for _, b in right], "this rank's q | k | v bias")
     if bad or "out" not in results[0]:                                      # weights only: stop here
         return not bad, bad or ""
@@ -138,9 +166,16 @@ def diagnose_embedding(spec, results, tp):
         mine = (idx >= 0) & (idx < per_rank)
         local.append(padded[r * per_rank:][:per_rank][idx.clamp(0, per_rank - 1)] * mine[:, None])
     unmasked = sum(padded[r * per_rank:][:per_rank][(ids - r * per_rank).clamp(0, per_rank - 1)] for r in range(tp))
+    shard = [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)]
+    not_zeroed = sum(torch.where(((ids >= r * per_rank) & (ids < (r + 1) * per_rank))[:, None],
+                                 shard[r][(ids - r * per_rank).clamp(0, per_rank - 1)], shard[r][0])
+                     for r in range(tp))                          # ids not owned looked up as local row 0
     return _check_output(results, [full] * tp, [
         ("unmasked", [unmasked] * tp, "ids outside this rank's rows were looked up anyway (clamped, not zeroed): "
          "mask them, i.e. zero the rows of ids the rank does not own, before the all-reduce"),
+        ("not zeroed", [not_zeroed] * tp, "the ids this rank does not own were masked to a valid row (local row 0) "
+         "but that row was not zeroed: each rank adds its row 0 for every id it does not own. After the lookup, "
+         "zero the rows of those ids (y.masked_fill(~mine[:, None], 0)), then all-reduce"),
         ("no all-reduce", local, f"returned only the ids it owns (zeros elsewhere): no all-reduce. {ALL_REDUCE}"),
         ("twice", [full * tp] * tp, f"{tp}x the right embedding: reduced twice"),
         ("averaged", [full / tp] * tp, f"1/{tp} of the right embedding: averaged, not summed"),

@@ -119,6 +119,10 @@ def _judge(world: int, case, per_rank) -> str | None:
         if tuple(out.shape) != tuple(ref.shape):
             hint = ": return it shaped like x (x.reshape(-1) in, .view_as(x) out)" if out.numel() == ref.numel() else ""
             return f"{where}: returned shape {tuple(out.shape)}{hint}"
+        if out.dtype != ref.dtype:
+            return (f"{where}: returned {out.dtype}, but x is {ref.dtype}, the dtype the engine's activations "
+                    "have and dist.all_reduce returns: keep x's dtype (chunks of x itself, or buffers made with "
+                    "torch.empty_like / dtype=x.dtype)")
         if isinstance(case, int):
             wrong = _diagnose_encoded(out, rank, world)
             if wrong:

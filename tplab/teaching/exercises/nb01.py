@@ -37,6 +37,19 @@ def _diagnose(mine: torch.Tensor, ref: torch.Tensor, q_len: int, k_len: int) -> 
             f"{mine[row].nonzero().flatten().tolist()}, expected {ref[row].nonzero().flatten().tolist()}")
 
 
+def _dtype_message(mine: torch.Tensor, q_len: int, k_len: int) -> str:
+    """What a mask of another dtype than bool does, and how to make it bool."""
+    right = tuple(mine.shape) == (q_len, k_len) and torch.equal(mine != 0, reference_mask(q_len, k_len))
+    pattern = " Its 1s are in the right places: `.bool()` (or build it by a comparison) is all that is left." \
+        if right else ""
+    if mine.dtype.is_floating_point:
+        return (f"dtype {mine.dtype}: return booleans. A float mask built by multiplying by -inf is exactly the "
+                f"bug (0 * -inf = NaN); apply bools with masked_fill.{pattern}")
+    return (f"dtype {mine.dtype}: return booleans (torch.bool), True where visible. masked_fill and "
+            f"F.scaled_dot_product_attention refuse an integer mask, and an additive float mask of 0/1 would add 1 "
+            f"to the visible scores instead of hiding the others.{pattern}")
+
+
 def _compare(fn):
     for q_len, k_len in CASES:
         mine = fn(q_len, k_len)
@@ -45,8 +58,7 @@ def _compare(fn):
         if not isinstance(mine, torch.Tensor):
             return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
         if mine.dtype != torch.bool:
-            return False, (f"dtype {mine.dtype}: return booleans. A float mask built by multiplying "
-                           "by -inf is exactly the bug (0 * -inf = NaN); apply bools with masked_fill")
+            return False, _dtype_message(mine, q_len, k_len)
         if tuple(mine.shape) != (q_len, k_len):
             return False, f"q_len={q_len}, k_len={k_len}: shape {tuple(mine.shape)}, expected {(q_len, k_len)}"
         ref = reference_mask(q_len, k_len)

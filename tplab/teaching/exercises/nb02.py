@@ -63,6 +63,10 @@ def _compare(fn):
                 if not isinstance(mine, torch.Tensor):
                     return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
                 ref = reference_shard(weight, rank, tp, kind)
+                if mine.dtype != ref.dtype:
+                    return False, (f"{kind} shard, rank {rank} of tp {tp}: {mine.dtype}, but the weight is "
+                                   f"{ref.dtype} and the layer's parameter too: cut the shard out of the weight "
+                                   "as it is (narrow or slicing keep its dtype)")
                 if not torch.equal(mine, ref):
                     return False, _diagnose(mine, ref, weight, rank, tp, kind)
                 count += 1

@@ -58,7 +58,7 @@ def _known_mistakes(x, cos, sin):
 
 
 def _run_case(fn, T, H, D, gen):
-    """(status, detail) for one shape: 'ok', 'raised', 'shape' or 'silent' (ran, wrong numbers)."""
+    """(status, detail) for one shape: 'ok', 'raised', 'shape', 'dtype' or 'silent' (ran, wrong numbers)."""
     x = torch.randn(T, H, D, generator=gen)
     positions = torch.randint(0, 200, (T,), generator=gen)
     cos, sin = rope_table(positions, D)
@@ -74,6 +74,9 @@ def _run_case(fn, T, H, D, gen):
     if not isinstance(mine, torch.Tensor) or tuple(mine.shape) != (T, H, D):
         shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
         return "shape", f"returned {shape}, expected {(T, H, D)}: cos/sin broadcast to the wrong shape"
+    if mine.dtype != x.dtype:
+        return "dtype", (f"returned {mine.dtype}, but x, cos and sin are {x.dtype}, the dtype the engine runs "
+                         "attention in: keep x's dtype (no .double(), no float64 tables)")
     err = float((mine.float() - ref).abs().max())
     if err <= TOL:
         return "ok", f"max_abs {err:.1e}"

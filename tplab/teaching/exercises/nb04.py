@@ -44,6 +44,9 @@ def _compare(fn):
         where = f"H_kv={h_kv}, n_rep={n_rep}"
         if tuple(mine.shape) != tuple(ref.shape):
             return False, f"{where}: shape {tuple(mine.shape)}, expected (B, H_kv * n_rep, T, D) = {tuple(ref.shape)}"
+        if mine.dtype != ref.dtype:
+            return False, (f"{where}: returned {mine.dtype}, but k is {ref.dtype}, the dtype the engine's KV cache "
+                           "has: keep k's dtype (expand, repeat_interleave and reshape do)")
         if not torch.equal(mine, ref):
             if torch.equal(mine, k.repeat(1, n_rep, 1, 1)):
                 return False, (f"{where}: heads come out as KV heads {_heads(mine)}: that is `repeat`, which tiles "

@@ -29,17 +29,43 @@ def _reference(block_table, positions, block_size) -> torch.Tensor:
     return meta.slot_mapping
 
 
+def _slots(block_table, positions, block_size) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+MISTAKES = [  # (what the usual mistake computes, what it means)
+    (lambda bt, ps, bs: list(ps), "these are the positions themselves: a position is not a slot. Look its block up in "
+     "the table: block_table[p // block_size] * block_size + p % block_size"),
+    (lambda bt, ps, bs: [bt[p // bs] + p % bs for p in ps], "the block id is not multiplied by block_size: block b's "
+     "slots are b * block_size ... b * block_size + block_size - 1"),
+    (lambda bt, ps, bs: _slots(bt, range(len(ps)), bs), "the new tokens are counted from 0, not by their positions: "
+     "a decode step or a prompt after cached blocks starts at position positions[0], not at 0"),
+    (lambda bt, ps, bs: _slots(bt, range(ps[-1] + 1), bs), "a slot for every position up to the last, cached ones "
+     "included: only this step's new tokens (the positions given) get a slot"),
+    (lambda bt, ps, bs: [(p % bs) * bs + bt[p // bs] for p in ps], "block and offset swapped: slot = block * "
+     "block_size + offset, with block = block_table[p // block_size] and offset = p % block_size"),
+]
+
+
+def _why(block_table, positions, block_size, got: list[int]) -> str:
+    for mistake, why in MISTAKES:
+        if got == mistake(block_table, positions, block_size):
+            return f": {why}"
+    return ""
+
+
 def _compare(fn):
     for block_table, first, context, block_size in CASES:
         positions = list(range(first, context))
         got = fn(list(block_table), list(positions), block_size)
         if got is None:
             return False, FORGOT_RETURN
-        got = torch.as_tensor(got).long().flatten()
+        got = torch.as_tensor(got).long().flatten()                   # any integer dtype is fine: slots
         ref = _reference(block_table, positions, block_size)
         if got.shape != ref.shape or not torch.equal(got, ref):
             return False, (f"block_table {block_table}, positions {positions}, block_size {block_size}: "
-                           f"got {got.tolist()}, build_metadata gives {ref.tolist()}")
+                           f"got {got.tolist()}, build_metadata gives {ref.tolist()}"
+                           f"{_why(block_table, positions, block_size, got.tolist())}")
     return True, f"{len(CASES)} cases equal build_metadata's slot_mapping"
 
 

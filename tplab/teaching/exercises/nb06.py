@@ -17,6 +17,35 @@ def _reference(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
     return emb.vocab_start, emb.vocab_start + emb.num_real_rows
 
 
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+MISTAKES = [  # (what the usual mistake computes, what it means)
+    (lambda v, r, tp: (r * (v // tp), (r + 1) * (v // tp)), "vocab_size // tp rows per rank: when tp does not divide "
+     "the vocabulary, its last rows belong to no rank. Pad it up: every rank holds per_rank = ceil(vocab_size / tp)"),
+    (lambda v, r, tp: (r * (v // tp), v if r == tp - 1 else (r + 1) * (v // tp)), "the remainder is given to the "
+     "last rank; VocabParallelEmbedding pads the vocabulary instead, so that every rank holds the same "
+     "per_rank = ceil(vocab_size / tp) rows: rank r starts at r * per_rank"),
+    (lambda v, r, tp: (r * _ceil(v, tp), (r + 1) * _ceil(v, tp)), "the end runs past the vocabulary: the padding rows "
+     "are not real rows. end = min((r + 1) * per_rank, vocab_size), and never before start"),
+    (lambda v, r, tp: (r * _ceil(v, tp), min((r + 1) * _ceil(v, tp), v) - 1), "end is exclusive: [start, end) holds "
+     "end - start rows, so end = min((r + 1) * per_rank, vocab_size), not one less"),
+]
+
+
+def _why(fn, vocab_size: int, tp: int) -> str:
+    """The usual mistake ``fn`` makes on every rank of this (vocab_size, tp), in words; "" if none fits."""
+    try:
+        got = [tuple(int(x) for x in fn(vocab_size, r, tp)) for r in range(tp)]
+    except Exception:          # e.g. None on another rank: the counterexample alone says enough
+        return ""
+    for mistake, why in MISTAKES:
+        if got == [mistake(vocab_size, r, tp) for r in range(tp)]:
+            return f": {why}"
+    return ""
+
+
 def _compare(fn):
     n = 0
     for vocab_size, tp in CASES:
@@ -27,7 +56,7 @@ def _compare(fn):
             got, ref = tuple(int(x) for x in got), _reference(vocab_size, rank, tp)
             if got != ref:
                 return False, (f"vocab_size {vocab_size}, tp {tp}, rank {rank}: got {got}, "
-                               f"VocabParallelEmbedding holds rows {ref}")
+                               f"VocabParallelEmbedding holds rows {ref}{_why(fn, vocab_size, tp)}")
             n += 1
     return True, f"{n} (vocab_size, rank, tp) cases equal VocabParallelEmbedding's rows"
 

@@ -33,6 +33,10 @@ LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: p
 HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
     ("attention", "shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
                            "per slot) has no room for them: store the KV heads, repeat only for the scores"),
+    (None, "itensor_view_from_dense", "oneDNN got a tensor of another dtype than the model's: a part returned, "
+           "or made, float64 (or another dtype); keep x's dtype (dtype=x.dtype, or .to(x.dtype))"),
+    (None, "to have the same dtype", "two tensors of different dtypes met: a part returned, or made, another dtype "
+           "than the model's (float64?); keep x's dtype (dtype=x.dtype, or .to(x.dtype))"),
     (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
            "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
            "all_gather(x, tp_size), which do"),
@@ -184,7 +188,9 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
         return ExerciseResult(name, None, "not attempted yet: write the part exercises (notebooks 02, 04, 05 and "
                                           "06: `# Exercise: row_linear` ...), run their cells, then this one")
     if stubs:
-        return ExerciseResult(name, None, f"{NOT_DONE}; still stubs: {', '.join(stubs)}")
+        return ExerciseResult(name, None, f"not attempted yet: still stubs: {', '.join(stubs)}. Write them in their "
+                              "`# Exercise:` cells (notebooks 02, 04, 05 and 06), run those cells, then this one; "
+                              "or hand check_engine only the parts you finished")
     result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
     if result.ok and missing:
         result.message += f" (tplab's own {', '.join(missing)}: write them too to make it all yours)"
