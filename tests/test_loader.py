@@ -108,3 +108,26 @@ def test_rope_scaling_is_refused_not_ignored(checkpoint, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="rope_type='yarn' is not implemented"):
         EngineConfig(model=str(folder))
+
+
+def test_the_config_is_resolved_once_frozen_and_reaches_ranks_as_is(checkpoint, monkeypatch):
+    """Settings resolve once (the environment read then, as defaults), the value is frozen, and a pickled
+    copy (what a rank receives) equals it; an unknown setting names the ones there are."""
+    import pickle
+    from dataclasses import FrozenInstanceError
+
+    from tplab import LLM
+    from tplab.layers.linear import LinearBase
+
+    monkeypatch.setenv("TPLAB_ONEDNN", "0")
+    cfg = EngineConfig(model=checkpoint("gqa"), dtype="bf16")
+    monkeypatch.setenv("TPLAB_ONEDNN", "1")                      # read once: too late for cfg
+    assert cfg.onednn is False and cfg.dtype is torch.bfloat16 and cfg.device == "cpu"
+    assert EngineConfig(model=checkpoint("gqa")).onednn is True
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    with pytest.raises(FrozenInstanceError):
+        cfg.seed = 1
+    layers = [m for m in load_model(cfg).modules() if isinstance(m, LinearBase)]
+    assert layers and all(not m.gemm.onednn and not m.gemm.pack for m in layers)   # F.linear, as asked
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) \['tensor_parallel'\]; the settings are"):
+        LLM(checkpoint("gqa"), tensor_parallel=2)
