@@ -148,3 +148,37 @@ def test_the_bound_is_under_the_ranks_timeouts():
     """The watchdog must name the stuck rank before the ranks' own timeout says only that they hung."""
     assert watchdog.bound_for(90.0) < 90.0 and watchdog.bound_for(nb00.TIMEOUT_S) < nb00.TIMEOUT_S
     assert watchdog.bound_for(12.0) == 6.0
+
+
+KERNEL_CELLS = ['''\
+from tplab.exercises import nb00, nb01
+from tplab.teaching.solutions import define''', '''\
+def causal_mask(q_len, k_len):
+    import torch
+    mask = torch.ones(q_len, k_len, dtype=torch.bool)
+    while True:
+        mask = mask.tril()''', '''\
+print(nb01.check_causal_mask(causal_mask))''', '''\
+def ring_all_reduce(x):
+    import torch.distributed as dist
+    while dist.get_rank() < 2:
+        x = x * 1''', '''\
+print(nb00.check_ring_all_reduce(ring_all_reduce, world_sizes=(2,)))''', '''\
+print(nb01.check_causal_mask(define("causal_mask")["causal_mask"]).ok)''']
+
+
+@pytest.mark.timeout(300)
+def test_in_a_notebook_kernel_the_cells_line_is_named_and_the_kernel_goes_on(monkeypatch):
+    """In ipykernel, where a cell's source lives only in the kernel's memory: the loop in the kernel and the
+    one in a rank are both named with the cell's line of code, and the next cell runs."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    monkeypatch.setenv("TPLAB_RETURN_BOUND_S", str(BOUND))     # inherited by the kernel and its ranks
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in KERNEL_CELLS])
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    out = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells]
+    assert re.search("your causal_mask " + stopped_in("causal_mask", "while True:", "mask = mask.tril()"), out[2]), out
+    assert re.search("world size 2: rank [01] " + stopped_in("ring_all_reduce", "while dist.get_rank() < 2:",
+                                                             "x = x * 1"), out[4]), out
+    assert out[5] == "True\n", out

@@ -167,7 +167,8 @@ def from_rank(error) -> str | None:
     place = re.search(r"stopped in (\S+) \(line (\d+)\)(:)?", message)
     if place and not place.group(3):         # no source there: look for it here, from the traceback's file
         function, line = place.group(1).rsplit(".", 1)[-1], place.group(2)
-        files = re.findall(rf'File "([^"]+)", line {line}, in {re.escape(function)}\b', error.remote_traceback)
+        # the file from the traceback (which may show the loop's other line: the exception lands a moment later)
+        files = re.findall(rf'File "([^"]+)", line \d+, in {re.escape(function)}\b', error.remote_traceback)
         code = linecache.getline(files[-1], int(line)).strip() if files else ""
         if code:
             message = message.replace(place.group(0), f"{place.group(0)}: `{code}`", 1)
