@@ -6,7 +6,8 @@ torch once and is forked for every rank. A rank starts in a few tens of millisec
 each rank about 2 s of CPU to import torch again (measured: a two-rank ``launch`` 2 s -> 0.05 s, four
 ranks 4.5 s -> 0.08 s, on 2 cores). The server exits when the caller does, and its ranks with it
 (PR_SET_PDEATHSIG). A forked rank inherits the server's environment, so it is handed the caller's
-current one. Elsewhere (macOS, Windows), spawn.
+current one. Elsewhere (macOS, Windows), spawn. ``TPLAB_START_METHOD=spawn`` makes Linux spawn too, so
+the path macOS and Windows take runs (and is tested) here.
 """
 import multiprocessing as mp
 import multiprocessing.spawn
@@ -15,14 +16,29 @@ import sys
 import threading
 
 _start_lock = threading.Lock()
+START_METHODS = ("spawn", "forkserver")     # what TPLAB_START_METHOD may name
+
+
+def start_method() -> str:
+    """``$TPLAB_START_METHOD`` when set (checked), else the fork server on Linux and spawn elsewhere."""
+    chosen = os.environ.get("TPLAB_START_METHOD", "")
+    if not chosen:
+        return "forkserver" if sys.platform.startswith("linux") else "spawn"
+    if chosen not in START_METHODS:
+        raise ValueError(f"TPLAB_START_METHOD={chosen!r} is not a way to start ranks: set it to one of "
+                         f"{START_METHODS} ('spawn' starts them as macOS and Windows do), or unset it")
+    if chosen not in mp.get_all_start_methods():
+        raise ValueError(f"TPLAB_START_METHOD={chosen!r}: {sys.platform} cannot start processes that way; "
+                         f"it can {mp.get_all_start_methods()}")
+    return chosen
 
 
 def rank_context():
-    """The multiprocessing context rank processes start from: the fork server on Linux, else spawn."""
-    if not sys.platform.startswith("linux"):
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tplab.distributed.rank_process"])
+    """The multiprocessing context rank processes start from (``start_method()``)."""
+    method = start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["tplab.distributed.rank_process"])
     return ctx
 
 

@@ -6,6 +6,7 @@ inputs and say what looks wrong; they never print the solution. ``show_solution(
 for when you are stuck (the reference solutions are in ``tplab.teaching.solutions``).
 """
 from tplab.teaching import solutions
+from tplab.teaching.exercises.watchdog import DidNotReturn, bounded_calls
 
 NOT_DONE = "not attempted yet: fill in the stub above (replace its `raise NotImplementedError`) and run it again"
 FORGOT_RETURN = "returned None: did you forget `return`?"
@@ -22,11 +23,14 @@ class ExerciseResult:
         return f"{self.name}: {mark} | {self.message}"
 
 
-def run_checker(name: str, fn, compare) -> ExerciseResult:
+def run_checker(name: str, fn, compare, bound: bool = True) -> ExerciseResult:
     """Call ``compare(fn)`` -> (ok, message). The stub's own ``raise NotImplementedError`` counts
-    as not attempted; any other exception as wrong, with the error shown."""
+    as not attempted; any other exception as wrong, with the error shown. A call of ``fn`` that does not
+    return within ``watchdog.BOUND_S`` is stopped and its line named (``bound=False``: ``compare`` does that)."""
     try:
-        ok, message = compare(fn)
+        ok, message = compare(bounded_calls(fn) if bound else fn)
+    except DidNotReturn as e:
+        return ExerciseResult(name, False, f"your {name} {e}")
     except Exception as e:  # a learner's bug: say what it was, do not crash the notebook
         if is_stub_error(fn, e):
             return ExerciseResult(name, None, NOT_DONE)

@@ -13,6 +13,7 @@ from tplab.engine.sampling import SamplingParams
 from tplab.engine.worker import Worker
 from tplab.models.checkpoints import tiny_stories
 from tplab.teaching.exercises.layer_probes import ForgotReturn
+from tplab.teaching.exercises.watchdog import bound_for, call_bounded
 from tplab.teaching.golden import activation_names, hf_activations
 
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and"]
@@ -95,7 +96,13 @@ def serve(group, parts, tp, timeout) -> tuple[list, list[list[int]], dict]:
     ref, workload = reference(), "block_manager" in parts
     settings = WORKLOAD_ENGINE if workload else {}
     prompts = ref["workload" if workload else "prompts"]
-    group.create(Worker, (engine_config(parts, tp, **settings),), timeout=timeout)
     params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
-    tokens = [ids for ids, _, _ in group.call("generate", (prompts, params), timeout=timeout)[0]]
-    return tokens, ref["workload_tokens" if workload else "tokens"], group.call("stats", timeout=timeout)[0]
+    tokens, stats = group.run(call_bounded, (bound_for(timeout), serve_here, engine_config(parts, tp, **settings),
+                                             prompts, params), timeout=timeout)[0]
+    return tokens, ref["workload_tokens" if workload else "tokens"], stats
+
+
+def serve_here(cfg, prompts, params) -> tuple[list[list[int]], dict]:
+    """In a rank: one ``Worker`` of ``cfg`` (the engine ``LLM`` runs) generates; its tokens and stats."""
+    worker = Worker(cfg)
+    return [ids for ids, _, _ in worker.generate(prompts, params)], worker.stats()

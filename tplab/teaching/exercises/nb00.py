@@ -13,7 +13,7 @@ import re
 import torch
 
 from tplab.distributed.launcher import RankError, RankGroup
-from tplab.teaching.exercises import FORGOT_RETURN, ExerciseResult, is_stub_error, run_checker
+from tplab.teaching.exercises import FORGOT_RETURN, ExerciseResult, is_stub_error, run_checker, watchdog
 
 WORLD_SIZES = (3, 2)        # 3 first: with 2 ranks, "rank + step" and "rank - step" pick the same chunk
 BASE = 8                    # one octal digit per rank: how many times its value was summed in
@@ -32,9 +32,10 @@ def encoded_input(rank: int, world: int, n: int) -> torch.Tensor:
     return BASE ** rank + BASE ** world * torch.arange(n, dtype=torch.float32)
 
 
-def _in_rank(fn, case):
+def _in_rank(fn, case, bound_s=None):
     """In each rank: the learner's result on one case, dist.all_reduce's, and the collectives fn called.
-    ``case`` is a number of elements (the encoded input) or a shape (random values)."""
+    ``case`` is a number of elements (the encoded input) or a shape (random values); ``fn`` is stopped
+    after ``bound_s`` seconds (``watchdog``)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -54,7 +55,8 @@ def _in_rank(fn, case):
     for name in real:
         setattr(dist, name, spy(name))
     try:
-        out = fn(x.clone())
+        with watchdog.bounded(bound_s):
+            out = fn(x.clone())
     finally:
         for name, f in real.items():
             setattr(dist, name, f)
@@ -135,6 +137,9 @@ def _judge(world: int, case, per_rank) -> str | None:
 def _rank_error(fn, error: RankError, world: int, case):
     """A learner's exception in a rank, with the line of ``fn`` it came from."""
     summary = str(error).splitlines()[0]
+    stuck = watchdog.from_rank(error)
+    if stuck:
+        return False, f"world size {world}: {stuck}"
     if error.remote_traceback == "" and isinstance(case, int) and case % world:
         return False, (f"world size {world}, x of {case} elements: {summary}. gloo stops a rank whose recv "
                        "buffer is not the size of the message sent to it; with a length not divisible by the "
@@ -156,7 +161,8 @@ def _reraise_untouched_stub(fn) -> None:
     """The stub raises NotImplementedError before anything else: pass that on to ``run_checker`` (which
     reports "not attempted") without starting ranks. Anything else is for the real check, in ranks."""
     try:
-        fn(torch.zeros(4))
+        with watchdog.bounded():
+            fn(torch.zeros(4))
     except NotImplementedError as e:
         if is_stub_error(fn, e):
             raise
@@ -176,7 +182,8 @@ def _compare(fn, world_sizes=WORLD_SIZES, timeout=TIMEOUT_S):
         try:
             with RankGroup(world, backend="gloo", timeout=timeout) as group:
                 for case in _cases(world):           # one run each: a rank that dies on one case
-                    wrong = _judge(world, case, group.run(_in_rank, (fn, case)))   # leaves the verdicts before it
+                    per_rank = group.run(_in_rank, (fn, case, watchdog.bound_for(timeout)))
+                    wrong = _judge(world, case, per_rank)     # leaves the verdicts before it
                     if wrong:
                         return False, wrong
         except RankError as e:
@@ -189,4 +196,4 @@ def _compare(fn, world_sizes=WORLD_SIZES, timeout=TIMEOUT_S):
 
 def check_ring_all_reduce(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT_S) -> ExerciseResult:
     """Run ``fn(x)`` in ``world_sizes`` real gloo ranks and compare each rank's result with ``dist.all_reduce``."""
-    return run_checker("ring_all_reduce", fn, lambda f: _compare(f, world_sizes, timeout))
+    return run_checker("ring_all_reduce", fn, lambda f: _compare(f, world_sizes, timeout), bound=False)

@@ -10,7 +10,9 @@
    on every rank compared with HF's; then greedy tokens at that TP size against HF's ``generate``.
 
 A stub (its own ``raise NotImplementedError``) is "not attempted"; an exception comes back with the
-rank and the learner's line; ranks that hang are stopped at ``timeout``.
+rank and the learner's line; a rank (or this process) still running the learner's code after
+``watchdog.bound_for(timeout)`` is stopped there, and its function and line are named; ranks that
+wait forever in a collective are stopped at ``timeout``.
 """
 import linecache
 import re
@@ -21,10 +23,11 @@ import torch
 from tplab.distributed.launcher import RankError
 from tplab.engine.parts import FIELDS
 from tplab.teaching.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
-                                      own_code)
+                                      own_code, watchdog)
 from tplab.teaching.exercises.layer_diagnoses import DIAGNOSE
 from tplab.teaching.exercises.in_engine import NEW_TOKENS, engine_acts, engine_config, kept_ranks, reference, serve
 from tplab.teaching.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
+from tplab.teaching.exercises.watchdog import DidNotReturn, call_bounded
 
 TOL = 1e-4
 
@@ -72,6 +75,11 @@ def _exception_result(name, impl, error, where) -> ExerciseResult:
     """The result for an exception raised by the learner's part (here, or in a rank)."""
     if is_stub_error(impl, error):
         return ExerciseResult(name, None, NOT_DONE)
+    if isinstance(error, DidNotReturn):
+        return ExerciseResult(name, False, f"{where}: your code {error}")
+    stuck = watchdog.from_rank(error) if isinstance(error, RankError) else None
+    if stuck:
+        return ExerciseResult(name, False, f"{where}, {stuck}")
     if isinstance(error, ForgotReturn):
         return ExerciseResult(name, False, f"{where}: {error}")
     if isinstance(error, RankError):
@@ -104,16 +112,17 @@ def _describe_diffs(tp, per_rank) -> str | None:
 
 def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None:
     """Stage 1 at TP ``tp`` (in this process when ``group`` is None): what is wrong with the part alone."""
+    bound = watchdog.bound_for(timeout)
     if name in LOCAL_PROBES:                          # no collectives: once, in this process
         if group is not None:
             return None
-        ok, why = LOCAL_PROBES[name].diagnose(LOCAL_PROBES[name].run(impl))
+        ok, why = LOCAL_PROBES[name].diagnose(call_bounded(bound, LOCAL_PROBES[name].run, impl))
         return None if ok else f"the part alone: {why}"
     if name not in SPECS:
         return None
     for forward in (False, True):                     # the loaded weights first, then the output
-        results = [run_probe(impl, SPECS[name](1), 0, 1, forward)] if group is None else \
-            group.run(probe_in_rank, (impl, name, tp, forward), timeout=timeout)
+        results = [call_bounded(bound, run_probe, impl, SPECS[name](1), 0, 1, forward)] if group is None else \
+            group.run(call_bounded, (bound, probe_in_rank, impl, name, tp, forward), timeout=timeout)
         ok, why = DIAGNOSE[name](SPECS[name](tp), results, tp)
         if not ok:
             return f"the layer alone at TP {tp}, {why}" if tp > 1 else f"the layer alone at TP 1: " \
@@ -124,19 +133,20 @@ def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None
 def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool = True) -> ExerciseResult:
     """Stages 1 (when ``unit``) and 2 of the module docstring for ``parts`` (``{field: replacement}``) at TP 1
     and ``tp``. ``impl`` is the learner's class or function (or a list of them), to find their lines."""
-    ref, where = reference(), "at TP 1"
+    ref, where, bound = reference(), "at TP 1", watchdog.bound_for(timeout)
     try:
-        why = _alone(name, impl, 1) if unit else None
+        why = _alone(name, impl, 1, timeout=timeout) if unit else None
         if why:
             return ExerciseResult(name, False, why)
-        acts1 = engine_acts(engine_config(parts, 1), ref["prompts"][0])
+        acts1 = call_bounded(bound, engine_acts, engine_config(parts, 1), ref["prompts"][0])
         where, group = f"at TP {tp}", kept_ranks(tp, timeout)
         why = _alone(name, impl, tp, group, timeout) if unit else None
         if why:
             return ExerciseResult(name, False, why)
-        acts = group.run(engine_acts, (engine_config(parts, tp), ref["prompts"][0]), timeout=timeout)
+        acts = group.run(call_bounded, (bound, engine_acts, engine_config(parts, tp), ref["prompts"][0]),
+                         timeout=timeout)
         tokens, want, stats = serve(group, parts, tp, timeout)
-    except Exception as e:  # the learner's code raised, here or in a rank; or the ranks hung
+    except (Exception, DidNotReturn) as e:  # the learner's code raised or looped, here or in a rank; ranks hung
         return _exception_result(name, impl, e, where)
     return _verdict(name, parts, tp, [acts1], acts, tokens, want, stats)
 
@@ -201,9 +211,11 @@ def _is_stub(impl, name) -> bool:
     """Whether ``impl`` is still the exercise's stub: probing it raises its own NotImplementedError."""
     try:
         if name in SPECS:
-            run_probe(impl, SPECS[name](1), 0, 1)
+            call_bounded(None, run_probe, impl, SPECS[name](1), 0, 1)
         elif name in LOCAL_PROBES:
-            LOCAL_PROBES[name].run(impl)
+            call_bounded(None, LOCAL_PROBES[name].run, impl)
     except Exception as e:
         return is_stub_error(impl, e)
+    except DidNotReturn:                  # not a stub: the check itself stops it again and says where
+        pass
     return False
