@@ -91,8 +91,8 @@ def _texts(fig):
 
 
 def test_plotting_figures_read_at_100_percent_zoom():
-    from types import SimpleNamespace
-    rows = [SimpleNamespace(name=f"model.layers.{i}.mlp", max_abs=10.0 ** -i) for i in range(6)]
+    from tplab.golden import Diff
+    rows = [Diff(f"model.layers.{i}.mlp", 10.0 ** -i, 0, 1e-4) for i in range(6)]
     figs = [plotting.plot_layer_diffs({"a": rows, "b": rows}), plotting.token_figure(["x"] * 3, [None] * 3, "t")]
     fig, ax = plotting.figure(2)
     ax[0].plot([1, 2], label="line"), ax[0].legend(), ax[1].set_title("t"), ax[1].text(0, 0, "note")
