@@ -3,6 +3,7 @@
 #   ./workbook.sh lab           open the workbook in JupyterLab (extra args go to jupyter lab)
 #   ./workbook.sh test          run the tests and execute the notebooks (what CI runs); extra args go to pytest
 #   ./workbook.sh doctor        check this machine before a workshop: what is missing, what will be slow
+#   ./workbook.sh test-gpu      run the CUDA and NCCL tests (tests/test_gpu.py); skipped, with the reason, without a GPU
 #   ./workbook.sh test-browser  open every notebook in headless Chromium (installs Chromium: CI, not laptops)
 #   ./workbook.sh python ...    run Python inside the environment (benchmarks, scripts)
 set -euo pipefail
@@ -64,6 +65,10 @@ case "$cmd" in
           # nbval runs the notebooks as committed (the exercises' stubs); tests/test_notebooks_rerun.py runs
           # them twice in one kernel in solution mode, every exercise filled by its reference solution.
           exec "$VENV/bin/python" -m pytest "${nbval[@]}" tests notebooks "$@" ;;
+  test-gpu)
+          # tplab on CUDA against HF on the same GPU, NCCL groups, the KV cache from free GPU memory (marker gpu).
+          # Without CUDA every test is skipped and the reason printed (-rs); the command still succeeds.
+          setup; exec "$VENV/bin/python" -m pytest -m gpu -rs tests/test_gpu.py "$@" ;;
   test-browser)
           setup; browser_deps
           exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout 600 -v tests/browser/lab_in_chromium.py "$@" ;;
@@ -71,5 +76,5 @@ case "$cmd" in
             echo "workbook: Python 3.10 or newer is needed (3.11 tested); found: $(python3 -V 2>&1)" >&2; exit 1; }
           setup; exec "$VENV/bin/python" scripts/doctor.py "$@" ;;
   python) setup; exec "$VENV/bin/python" "$@" ;;
-  *)      sed -n '2,7p' "$0"; exit 2 ;;
+  *)      sed -n '2,8p' "$0"; exit 2 ;;
 esac

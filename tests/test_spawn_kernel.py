@@ -11,7 +11,6 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tplab.distributed import rank_start
 from tplab.teaching import solutions
 
 NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "00_why_tensor_parallel.ipynb"
@@ -36,16 +35,6 @@ checks("TP 2 with a cell-defined row_linear: HF's greedy tokens", [o.token_ids f
 ranks.close()
 checks.assert_all()
 '''
-
-
-def test_the_start_method_is_checked(monkeypatch):
-    monkeypatch.setenv("TPLAB_START_METHOD", "fork")
-    with pytest.raises(ValueError, match="TPLAB_START_METHOD='fork' is not a way to start ranks: set it to one of"):
-        rank_start.rank_context()
-    monkeypatch.setenv("TPLAB_START_METHOD", "spawn")
-    assert rank_start.rank_context().get_start_method() == "spawn"
-    monkeypatch.delenv("TPLAB_START_METHOD")
-    assert rank_start.start_method() in ("forkserver", "spawn")
 
 
 @pytest.mark.timeout(600)

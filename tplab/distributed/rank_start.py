@@ -10,6 +10,7 @@ current one. Elsewhere (macOS, Windows), spawn. ``TPLAB_START_METHOD=spawn`` mak
 the path macOS and Windows take runs (and is tested) here.
 """
 import multiprocessing as mp
+import multiprocessing.forkserver
 import multiprocessing.spawn
 import os
 import sys
@@ -39,7 +40,28 @@ def rank_context():
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["tplab.distributed.rank_process"])
+        _ensure_fork_server()
     return ctx
+
+
+def _ensure_fork_server() -> None:
+    """Start the fork server (if it is not running) with OpenMP single-threaded. Importing tplab runs a few
+    oneDNN ops (``layers/linear.py`` checks that its kernels work), and a process that has run an OpenMP
+    parallel region cannot fork children that use more threads: libgomp's thread pool does not survive a
+    fork, and the child's first parallel op waits for it forever. Measured here: a rank given 2 threads hung
+    on ``torch.zeros(2048, 256).sum()``, so every TP 2 rank on a machine of 4 or more cores would have; on 2
+    cores TP 2 gives each rank 1 thread, which never needs the pool. With ``OMP_NUM_THREADS=1`` the server
+    never starts one; each rank then sets its own thread count (``rank_main``) and starts its own pool."""
+    with _start_lock:
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"        # only the server's: ranks get the caller's environment
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
 
 
 def death_watch(ctx) -> tuple[int | None, bool]:
