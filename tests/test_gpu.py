@@ -2,7 +2,8 @@
 
 TP 1 on CUDA in fp32 and bf16 (the device a notebook's ``LLM`` picks when there is a GPU), the NCCL backend
 in a one-rank group and at TP 2 where two GPUs exist, the KV cache sized from the GPU's free memory, and
-the backend the notebooks pick. Greedy tokens must equal HF's; logprobs stay within ``ATOL`` of the dtype.
+the backend the notebooks pick. Greedy tokens must equal HF's; logprobs stay within the dtype's bound
+(``tplab.teaching.tolerance.logprob_bound`` of HF's logits).
 Without CUDA every test is skipped, with the reason (``-rs``).
 """
 import math
@@ -12,9 +13,8 @@ import cloudpickle
 import pytest
 import torch
 
-from conftest import ATOL
 from tplab import LLM, SamplingParams, launch, models
-from tplab.teaching import workbook
+from tplab.teaching import tolerance, workbook
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the functions below run in ranks
 
@@ -31,7 +31,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @pytest.fixture(scope="module")
 def hf_cuda():
-    """``hf_cuda(dtype)`` -> (prompts, [(HF's greedy tokens, their logprobs)]) from HF's Qwen2 on cuda:0."""
+    """``hf_cuda(dtype)`` -> (prompts, [(HF's greedy tokens, their logprobs, the logprobs' bound)]) from HF's
+    Qwen2 on cuda:0."""
     from transformers import AutoTokenizer, Qwen2ForCausalLM
     path, cache = models.tiny_stories(), {}
     prompts = [AutoTokenizer.from_pretrained(path).encode(s) for s in STORIES]
@@ -44,9 +45,11 @@ def hf_cuda():
                 for p in prompts:
                     ids = torch.tensor([p], device="cuda")
                     out = hf.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):]
-                    logprobs = hf(torch.tensor([p + out.tolist()], device="cuda")).logits[0].float().log_softmax(-1)
+                    logits = hf(torch.tensor([p + out.tolist()], device="cuda")).logits[0].float()
+                    logprobs = logits.log_softmax(-1)
                     cache[dtype].append((out.tolist(), [logprobs[len(p) - 1 + i, t].item()
-                                                        for i, t in enumerate(out.tolist())]))
+                                                        for i, t in enumerate(out.tolist())],
+                                         tolerance.logprob_bound(logits, dtype)))
             del hf
             torch.cuda.empty_cache()
         return prompts, cache[dtype]
@@ -54,10 +57,10 @@ def hf_cuda():
 
 
 def assert_matches(outs, ref, dtype, where):
-    for i, (tokens, logprobs, (want, want_logprobs)) in enumerate(zip(*outs, ref)):
+    for i, (tokens, logprobs, (want, want_logprobs, bound)) in enumerate(zip(*outs, ref)):
         assert tokens == want, f"{where}: prompt {i}'s greedy tokens {tokens} differ from HF's {want}"
         worst = max(abs(a - b) for a, b in zip(logprobs, want_logprobs))
-        assert worst <= ATOL[dtype], f"{where}: prompt {i}'s logprobs off HF's by {worst:.2e} > {ATOL[dtype]:g}"
+        assert worst <= bound, f"{where}: prompt {i}'s logprobs off HF's by {worst:.2e} > the bound {bound:.2e}"
 
 
 def generate(llm, prompts) -> tuple[list, list]:
@@ -136,7 +139,7 @@ def test_a_notebook_cell_with_cpu_tensors_runs_under_the_backend_the_notebooks_p
     x, w_up, w_down = (torch.randn(*s, generator=gen) for s in ((3, 16), (32, 16), (16, 32)))
     dense = torch.nn.functional.silu(x @ w_up.T) @ w_down.T
     for y in launch(megatron_mlp_as_notebook_02_runs_it, 2, args=(x, w_up, w_down)):
-        torch.testing.assert_close(y, dense, rtol=1e-5, atol=ATOL[torch.float32])
+        assert tolerance.within(y, dense), f"off the dense MLP by {(y - dense).abs().max():.1e}"
 
 
 def test_the_kv_cache_takes_90_percent_of_the_gpu_memory_left_after_the_weights(tmp_path):
