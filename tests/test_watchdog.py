@@ -144,6 +144,15 @@ def test_a_looping_attention_part_in_this_process_is_stopped_and_the_next_call_w
     assert check_part("attention", Attention).ok is True
 
 
+def test_a_bound_that_is_not_a_positive_number_is_refused_with_what_to_set():
+    import os
+    import subprocess
+    for bad in ("abc", "0", "-3"):
+        run = subprocess.run([sys.executable, "-c", "import tplab"], capture_output=True, text=True,
+                             env={**os.environ, "TPLAB_RETURN_BOUND_S": bad})
+        assert run.returncode != 0 and f"TPLAB_RETURN_BOUND_S={bad!r}: set it to the seconds" in run.stderr, run.stderr
+
+
 def test_the_bound_is_under_the_ranks_timeouts():
     """The watchdog must name the stuck rank before the ranks' own timeout says only that they hung."""
     assert watchdog.bound_for(90.0) < 90.0 and watchdog.bound_for(nb00.TIMEOUT_S) < nb00.TIMEOUT_S

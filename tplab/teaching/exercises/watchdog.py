@@ -29,7 +29,19 @@ import threading
 # a load average of 6: every call of a notebook checker's function took milliseconds; check_part's steps in a
 # rank (probe, prefill, greedy serving) at most 0.63 s; its TP 1 prefill in this process at most 1.4 s.
 # 30 s is 20 times the slowest, and under the ranks' timeouts (nb00's 60 s, check_part's 90 s): see bound_for.
-BOUND_S = float(os.environ.get("TPLAB_RETURN_BOUND_S", "30"))
+def _bound_from_environment(default: float = 30.0) -> float:
+    text = os.environ.get("TPLAB_RETURN_BOUND_S", "")
+    try:
+        bound = float(text) if text else default
+    except ValueError:
+        bound = float("nan")
+    if not bound > 0:
+        raise ValueError(f"TPLAB_RETURN_BOUND_S={text!r}: set it to the seconds learner code may run before it "
+                         f"is stopped (a number > 0; {default:g} if unset)")
+    return bound
+
+
+BOUND_S = _bound_from_environment()
 _RETRY_S = 1.0           # a bare `except:` in the loop swallowed it: raise it again, this often
 _NOT_YOURS = tuple({os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
                     *(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
