@@ -90,7 +90,7 @@ def all_reduce_on_the_gpu():
 
 def test_a_one_rank_nccl_group_all_reduces_on_the_gpu():
     [(backend, device, t)] = launch(all_reduce_on_the_gpu, 1, backend="nccl")
-    assert (backend, device) == ("nccl", "cuda:0")
+    assert "nccl" in backend and device == "cuda:0", (backend, device)    # "cpu:gloo,cuda:nccl": CPU tensors too
     assert t.device.type == "cpu" and torch.equal(t, torch.arange(4.0) + 1)     # results come back on the CPU
 
 
@@ -105,7 +105,7 @@ def test_the_engine_in_a_one_rank_nccl_group_matches_hf(hf_cuda):
     prompts, ref = hf_cuda(torch.float32)
     [(backend, device, on_gpu, outs)] = launch(generate_in_rank, 1, args=(str(models.tiny_stories()), prompts),
                                                backend="nccl")
-    assert backend == "nccl" and on_gpu, (backend, device)
+    assert "nccl" in backend and on_gpu, (backend, device)
     assert_matches(outs, ref, torch.float32, "TP 1 in a one-rank NCCL group")
 
 
@@ -113,7 +113,7 @@ def test_the_engine_in_a_one_rank_nccl_group_matches_hf(hf_cuda):
 def test_tp2_over_nccl_matches_hf(hf_cuda):
     prompts, ref = hf_cuda(torch.float32)
     with LLM(models.tiny_stories(), tensor_parallel_size=2) as llm:  # a GPU per rank: NCCL, picked by itself
-        assert llm.backend == "nccl"
+        assert "nccl" in llm.backend
         assert_matches(generate(llm, prompts), ref, torch.float32, "TP 2 over NCCL")
 
 

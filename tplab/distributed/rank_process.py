@@ -77,7 +77,10 @@ def _join_group(rank: int, world_size: int, backend: str, port: int, timeout_s: 
         torch.cuda.set_device(rank % torch.cuda.device_count())
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # NCCL takes CUDA tensors only; a GPU group also carries CPU ones (a notebook cell's, the engine's KV
+    # budget), so it is NCCL for CUDA tensors and gloo for CPU tensors, in one group
+    devices = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+    dist.init_process_group(devices, store=store, rank=rank, world_size=world_size, timeout=timeout)
     init_tp_comm()
 
 
