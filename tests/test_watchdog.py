@@ -148,7 +148,7 @@ def test_a_bound_that_is_not_a_positive_number_is_refused_with_what_to_set():
     import os
     import subprocess
     for bad in ("abc", "0", "-3"):
-        run = subprocess.run([sys.executable, "-c", "import tplab"], capture_output=True, text=True,
+        run = subprocess.run([sys.executable, "-c", "import tplab.exercises"], capture_output=True, text=True,
                              env={**os.environ, "TPLAB_RETURN_BOUND_S": bad})
         assert run.returncode != 0 and f"TPLAB_RETURN_BOUND_S={bad!r}: set it to the seconds" in run.stderr, run.stderr
 
