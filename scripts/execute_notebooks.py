@@ -15,8 +15,10 @@ from nbclient import NotebookClient
 
 def execute(path: Path) -> float:
     nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)         # no timestamps: they would change on every run
     start = time.perf_counter()
-    NotebookClient(nb, timeout=600, kernel_name="python3", store_widget_state=True,
+    NotebookClient(nb, timeout=600, kernel_name="python3", store_widget_state=True, record_timing=False,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     nbformat.write(nb, path)
     return time.perf_counter() - start
