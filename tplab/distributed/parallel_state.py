@@ -1,4 +1,5 @@
-"""Tensor-parallel bookkeeping: who am I, how many of us, and the two collectives TP needs.
+"""Tensor-parallel bookkeeping: who am I, how many of us, and the collectives TP needs (all-reduce and
+all-gather; reduce-scatter for sequence parallelism, ``tplab.models.sequence_parallel``).
 
 Layers take ``tp_rank``/``tp_size`` explicitly so that one process can build every
 rank's shard (tests and notebooks do this). When they are left as ``None`` they come
@@ -32,7 +33,7 @@ _recorders: list[list] = []       # the lists of the open count_collectives() bl
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective this rank ran: what, on which tensor, along which path, and how long it took."""
-    op: str                      # "all_reduce" or "all_gather"
+    op: str                      # "all_reduce", "all_gather" or "reduce_scatter"
     shape: tuple[int, ...]       # the tensor this rank put in, e.g. (1, hidden) for a decode step's all-reduce
     dtype: torch.dtype
     path: str                    # "shm" (shared memory) or the process group's backend, e.g. "gloo"
@@ -46,7 +47,7 @@ class CollectiveRecord:
 
 @contextlib.contextmanager
 def count_collectives():
-    """Record every ``all_reduce``/``all_gather`` over more than one rank that this process runs inside
+    """Record every ``all_reduce``/``all_gather``/``reduce_scatter`` over more than one rank that this process runs inside
     the ``with``; yields the list of ``CollectiveRecord`` it fills, in call order. Blocks may nest.
     Outside any block the collectives pay one check of an empty list."""
     records: list[CollectiveRecord] = []
@@ -147,3 +148,31 @@ def _all_gather(x: torch.Tensor, comm: ShmComm | None, tp_size: int, dim: int) -
     parts = [torch.empty_like(x) for _ in range(tp_size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(x: torch.Tensor, tp_size: int, dim: int = 0) -> torch.Tensor:
+    """Sum ``x`` over the TP ranks and return this rank's chunk of the sum: ``x.shape[dim] / tp_size`` rows
+    of ``dim``, rank r the r-th (identity at tp_size 1). ``x.shape[dim]`` must divide by ``tp_size``."""
+    if tp_size == 1:
+        return x
+    _check_group(tp_size)
+    if x.shape[dim] % tp_size:
+        raise ValueError(f"reduce_scatter: dim {dim} of {tuple(x.shape)} is not divisible by tp_size {tp_size}; "
+                         "pad it to a multiple first")
+    comm = _shm_for(x)
+    if _recorders:
+        return _recorded("reduce_scatter", x, comm, _reduce_scatter, x, comm, tp_size, dim)
+    return _reduce_scatter(x, comm, tp_size, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, comm: ShmComm | None, tp_size: int, dim: int) -> torch.Tensor:
+    if comm is not None:
+        return comm.reduce_scatter(x, dim)
+    rank = dist.get_rank()
+    if dist.get_backend() == "gloo":
+        # gloo has no reduce-scatter: all-reduce and keep this rank's chunk (the same sum, t times the bytes)
+        return _all_reduce(x.clone(), None).chunk(tp_size, dim)[rank].contiguous()
+    chunks = list(x.contiguous().chunk(tp_size, dim))
+    out = torch.empty_like(chunks[rank])
+    dist.reduce_scatter(out, [c.contiguous() for c in chunks])
+    return out

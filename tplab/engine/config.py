@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tplab.distributed.launcher import pick_backend
 from tplab.engine.parts import Parts, resolve
-from tplab.layers.linear import check_heads_divisible, valid_tp_sizes
+from tplab.layers.linear import ReturnsPartialSums, check_heads_divisible, valid_tp_sizes
 from tplab.layers.rotary import check_rope_supported
 from tplab.models.loader import checkpoint_files
 
@@ -124,6 +124,7 @@ class EngineConfig:
                                         # None: default_batched_tokens(device)
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
+    sequence_parallel: bool = False    # TP > 1: reduce-scatter + all-gather over tokens instead of all-reduce
     # CPU speed settings; the environment gives their defaults (CI runs the notebooks with TPLAB_ONEDNN=0)
     onednn: bool = field(default_factory=lambda: _env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
     pack_weights: bool = field(default_factory=lambda: _env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
@@ -154,9 +155,23 @@ def _resolved(cfg: EngineConfig) -> dict:
         if getattr(cfg, name) is not None:
             _positive_int(name, getattr(cfg, name))
     bugs = (cfg.bugs,) if isinstance(cfg.bugs, str) else tuple(cfg.bugs or ())
+    parts = resolve(bugs, cfg.parts)
+    check_sequence_parallel(cfg.sequence_parallel, cfg.tensor_parallel_size, parts)
     backend = dist.get_backend() if dist.is_initialized() else pick_backend(cfg.tensor_parallel_size, cfg.backend)
     return dict(model=model, dtype=resolve_dtype(cfg.dtype, hf), hf_config=plain_config(hf), bugs=bugs,
-                parts=resolve(bugs, cfg.parts), backend=backend, device=_device(cfg, backend))
+                parts=parts, backend=backend, device=_device(cfg, backend))
+
+
+def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts) -> None:
+    """Sequence parallelism reduce-scatters the row-parallel layers' partial sums, so at TP > 1 it needs a
+    ``row_linear`` that says it can return them (``tplab.layers.linear.ReturnsPartialSums``)."""
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    row = parts.row_linear
+    if sequence_parallel and tp_size > 1 and not (isinstance(row, type) and issubclass(row, ReturnsPartialSums)):
+        raise ValueError(f"sequence_parallel=True needs a row_linear that returns partial sums when built with "
+                         f"reduce_results=False (a subclass of tplab.layers.linear.ReturnsPartialSums); "
+                         f"{row.__qualname__ if isinstance(row, type) else row!r} is not: drop sequence_parallel or that part")
 
 
 def _device(cfg: EngineConfig, backend: str) -> str:

@@ -40,7 +40,7 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     torch.set_default_dtype(cfg.dtype)  # parameters are created in the target dtype, on the device
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(cfg.hf_config, cfg.parts, tp_rank, tp_size)
+            model = Qwen2ForCausalLM(cfg.hf_config, cfg.parts, tp_rank, tp_size, cfg.sequence_parallel)
     finally:
         torch.set_default_dtype(default_dtype)
     # HF omits a tied lm_head.weight when saving; some checkpoints keep it anyway.

@@ -147,7 +147,14 @@ class QKVParallelLinear(LinearBase):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(LinearBase):
+class ReturnsPartialSums:
+    """A ``Parts.row_linear`` that can also be built with ``reduce_results=False`` (a keyword of its
+    ``__init__``): its ``forward`` then returns this rank's partial sum, ``(T, output_size)``, and the caller
+    reduces it; sequence parallelism reduce-scatters it over tokens (``tplab.models.sequence_parallel``).
+    A row_linear that does not declare it all-reduces, and ``LLM(sequence_parallel=True)`` refuses it."""
+
+
+class RowParallelLinear(LinearBase, ReturnsPartialSums):
     """``y = sum_r x[:, cols of r] @ W[:, cols of r].T``: shard dim 1 (in_features), then all-reduce.
 
     The bias is added on rank 0 only, before the all-reduce, so it is counted once.

@@ -8,6 +8,13 @@ Per decoder layer on each rank (T tokens, hidden size E, this rank's H/H_kv head
              -> down_proj + all-reduce (T, E) -> + residual
 Two all-reduces per layer, none inside attention: each rank owns whole heads.
 
+With ``sequence_parallel`` (at TP > 1) each all-reduce becomes a reduce-scatter over tokens, and the
+residual stream between layers holds this rank's T/t tokens (``tplab.models.sequence_parallel``):
+    x (T/t, E) -> input_layernorm -> all-gather (T, E) -> qkv_proj ... o_proj (partial sums, T, E)
+             -> reduce-scatter (T/t, E) -> + residual -> post_attention_layernorm -> all-gather (T, E)
+             -> gate_up_proj ... down_proj (partial sums) -> reduce-scatter (T/t, E) -> + residual
+and the final norm runs on T/t tokens before one all-gather hands the LM head all T.
+
 The layers come from ``parts`` (``tplab.engine.parts.Parts``): tplab's own, or a pitfall's or a
 learner's replacements, each built with the same arguments and called the same way.
 """
@@ -19,6 +26,7 @@ from tplab.layers.activation import SiluAndMul
 from tplab.layers.metadata import AttentionMetadata
 from tplab.layers.norm import RMSNorm
 from tplab.layers.rotary import RotaryEmbedding, rope_settings
+from tplab.models.sequence_parallel import TokenSplit
 
 
 def head_dim_of(config) -> int:
@@ -31,8 +39,14 @@ def local_head_counts(config, tp_size: int) -> tuple[int, int]:
     return config.num_attention_heads // tp_size, max(1, config.num_key_value_heads // tp_size)
 
 
+def row_settings(sequence_parallel: bool) -> dict:
+    """The row-parallel layers' extra settings: under sequence parallelism they return partial sums, which
+    the decoder layer reduce-scatters (the part is ``ReturnsPartialSums``; ``engine.config`` checks)."""
+    return {"reduce_results": False} if sequence_parallel else {}
+
+
 class Qwen2Attention(nn.Module):
-    def __init__(self, config, parts, tp_rank: int, tp_size: int):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = parts.qkv_linear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -40,7 +54,7 @@ class Qwen2Attention(nn.Module):
         self.num_heads, self.num_kv_heads = local_head_counts(config, tp_size)
         self.head_dim = head_dim
         self.o_proj = parts.row_linear(config.num_attention_heads * head_dim, config.hidden_size, bias=False,
-                                       tp_rank=tp_rank, tp_size=tp_size)
+                                       tp_rank=tp_rank, tp_size=tp_size, **row_settings(sequence_parallel))
         theta, _ = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, parts.apply_rope)
         self.attn = parts.attention(self.num_heads, self.num_kv_heads, head_dim, parts.attend)
@@ -52,50 +66,59 @@ class Qwen2Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)            # (T, H_kv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(meta.positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))     # (T, E), all-reduced
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))     # (T, E), all-reduced (SP: partial sums)
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config, parts, tp_rank: int, tp_size: int):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={config.hidden_act!r}: tplab implements Qwen2's 'silu' only")
         size = config.intermediate_size
         self.gate_up_proj = parts.gate_up_linear(config.hidden_size, [size, size], bias=False,
                                                  tp_rank=tp_rank, tp_size=tp_size)
-        self.down_proj = parts.row_linear(size, config.hidden_size, bias=False, tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = parts.row_linear(size, config.hidden_size, bias=False, tp_rank=tp_rank, tp_size=tp_size,
+                                          **row_settings(sequence_parallel))
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))   # (T, E) after the all-reduce
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))   # (T, E) after the all-reduce (SP: partial)
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config, parts, tp_rank: int, tp_size: int):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen2Attention(config, parts, tp_rank, tp_size)
+        self.self_attn = Qwen2Attention(config, parts, tp_rank, tp_size, sequence_parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Qwen2MLP(config, parts, tp_rank, tp_size)
+        self.mlp = Qwen2MLP(config, parts, tp_rank, tp_size, sequence_parallel)
 
-    def forward(self, x, kv_cache, meta):
+    def forward(self, x, kv_cache, meta, split: TokenSplit | None = None):
+        if split is not None:   # sequence parallel: x is this rank's (T_pad / t, E) tokens
+            x = x + split.scatter_sum(self.self_attn(split.gather(self.input_layernorm(x)), kv_cache, meta))
+            return x + split.scatter_sum(self.mlp(split.gather(self.post_attention_layernorm(x))))
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config, parts, tp_rank: int, tp_size: int):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
         super().__init__()
+        self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
         self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, parts, tp_rank, tp_size)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, parts, tp_rank, tp_size, sequence_parallel)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, kv_caches, meta):
-        x = self.embed_tokens(input_ids)                            # (T, E)
+        x = self.embed_tokens(input_ids)                            # (T, E), the same on every rank
+        split = TokenSplit(x.shape[0], self.tp_rank, self.tp_size) if self.sequence_parallel else None
+        if split is not None:
+            x = split.local(x)                                      # (T_pad / t, E): this rank's tokens
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, kv_cache, meta)
-        return self.norm(x)
+            x = layer(x, kv_cache, meta, split)
+        x = self.norm(x)
+        return x if split is None else split.gather(x)              # (T, E) for the LM head
 
 
 def tie_weights(lm_head: nn.Module, embedding: nn.Module) -> None:
@@ -109,7 +132,8 @@ def tie_weights(lm_head: nn.Module, embedding: nn.Module) -> None:
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """One rank's shard of a Qwen2 model. ``tp_rank``/``tp_size`` default to the process group's."""
+    """One rank's shard of a Qwen2 model. ``tp_rank``/``tp_size`` default to the process group's;
+    ``sequence_parallel`` (at TP > 1) splits the residual stream over ranks by tokens."""
 
     # checkpoint name -> (name of the fused parameter, shard id given to its weight_loader)
     packed_modules_mapping = {
@@ -117,11 +141,13 @@ class Qwen2ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, parts, tp_rank: int | None = None, tp_size: int | None = None):
+    def __init__(self, config, parts, tp_rank: int | None = None, tp_size: int | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
-        self.model = Qwen2Model(config, parts, tp_rank, tp_size)
+        self.sequence_parallel = sequence_parallel and tp_size > 1   # at TP 1 there is nothing to split
+        self.model = Qwen2Model(config, parts, tp_rank, tp_size, self.sequence_parallel)
         self.lm_head = parts.lm_head(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         if config.tie_word_embeddings:  # one tensor for both: the head uses the embedding's rows
             tie_weights(self.lm_head, self.model.embed_tokens)
