@@ -82,6 +82,25 @@ def test_decode_step_at_tp2_reduce_scatters_and_all_gathers_instead_of_all_reduc
         assert rs(decode) == 2 * ar(plain_decode) == 2 * layers * 2 * hidden * 4
 
 
+def _generate_and_paths(model):
+    from tplab.distributed.parallel_state import count_collectives
+
+    with LLM(model, tensor_parallel_size=2, sequence_parallel=True, max_num_batched_tokens=7) as llm:
+        with count_collectives() as seen:
+            outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [o.token_ids for o in outs], {(r.op, r.path) for r in seen}
+
+
+def test_sequence_parallel_through_the_process_group_matches_hf(checkpoint, hf_model, monkeypatch):
+    """With shared memory off, the reduce-scatters and all-gathers go through gloo itself."""
+    monkeypatch.setenv("TPLAB_SHM_COMM", "0")                       # the ranks take this environment
+    model = hf_model(checkpoint("mqa"))
+    want = [hf_greedy(model, p, MAX_TOKENS)[0] for p in PROMPTS]
+    for tokens, paths in launch(_generate_and_paths, 2, args=(str(checkpoint("mqa")),), timeout=300):
+        assert tokens == want
+        assert {"reduce_scatter", "all_gather"} <= {op for op, _ in paths} and {p for _, p in paths} == {"gloo"}
+
+
 def _reduce_scatter_both_paths():
     import torch.distributed as dist
     from tplab.distributed import parallel_state as ps

@@ -168,11 +168,7 @@ def reduce_scatter(x: torch.Tensor, tp_size: int, dim: int = 0) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, comm: ShmComm | None, tp_size: int, dim: int) -> torch.Tensor:
     if comm is not None:
         return comm.reduce_scatter(x, dim)
-    rank = dist.get_rank()
-    if dist.get_backend() == "gloo":
-        # gloo has no reduce-scatter: all-reduce and keep this rank's chunk (the same sum, t times the bytes)
-        return _all_reduce(x.clone(), None).chunk(tp_size, dim)[rank].contiguous()
-    chunks = list(x.contiguous().chunk(tp_size, dim))
-    out = torch.empty_like(chunks[rank])
-    dist.reduce_scatter(out, [c.contiguous() for c in chunks])
+    chunks = [c.contiguous() for c in x.chunk(tp_size, dim)]     # chunk r goes to rank r (gloo and nccl)
+    out = torch.empty_like(chunks[dist.get_rank()])
+    dist.reduce_scatter(out, chunks)
     return out
