@@ -48,19 +48,21 @@ def _step_collectives(model, sequence_parallel):
 
 
 def _expected(layers: int, hidden: int, per_rank_vocab: int, tokens: int, tp: int = 2):
-    """By hand: the embedding's all-reduce of (T, E) (it stays: every rank then keeps its own tokens), per
+    """By hand: the embedding's partial lookups reduce-scattered (T padded to a multiple of t), per
     layer an all-gather of this rank's ceil(T / t) tokens before qkv_proj and gate_up_proj and a
     reduce-scatter of the T tokens padded to a multiple of t after o_proj and down_proj, one all-gather
     before the LM head, and the LM head's all-gather of this rank's vocabulary rows. fp32: 4 bytes."""
     local = -(-tokens // tp)
     layer = [("all_gather", (local, hidden), 4 * local * hidden),
              ("reduce_scatter", (tp * local, hidden), 4 * tp * local * hidden)] * 2
-    return ([("all_reduce", (tokens, hidden), 4 * tokens * hidden)] + layer * layers
+    scatter = [("reduce_scatter", (tp * local, hidden), 4 * tp * local * hidden)]
+    return (scatter + layer * layers
             + [("all_gather", (local, hidden), 4 * local * hidden),
                ("all_gather", (1, per_rank_vocab), 4 * per_rank_vocab)])
 
 
 def test_decode_step_at_tp2_reduce_scatters_and_all_gathers_instead_of_all_reducing(checkpoint):
+    """The collectives of a 6-token prefill and of one decode step at TP 2, with SP and without."""
     from transformers import AutoConfig
     path = checkpoint("vocab_pad")                                   # vocab 251: the LM head's shard is padded
     cfg = AutoConfig.from_pretrained(path)
@@ -77,18 +79,30 @@ def test_decode_step_at_tp2_reduce_scatters_and_all_gathers_instead_of_all_reduc
         # an all-reduce's 2 (t-1)/t between the two). A lone decode token is padded to 2 rows, so
         # its reduce-scatters put in twice the all-reduce's bytes: SP pays off from T >= t tokens.
         rs = lambda records: sum(n for op, _, n in records if op == "reduce_scatter")
-        ar = lambda records: sum(n for op, _, n in records[1:] if op == "all_reduce")   # after the embedding
-        assert rs(prefill) == ar(plain_prefill) == 2 * layers * 6 * hidden * 4
-        assert rs(decode) == 2 * ar(plain_decode) == 2 * layers * 2 * hidden * 4
+        ar = lambda records: sum(n for op, _, n in records if op == "all_reduce")
+        assert rs(prefill) == ar(plain_prefill) == (2 * layers + 1) * 6 * hidden * 4
+        assert rs(decode) == 2 * ar(plain_decode) == (2 * layers + 1) * 2 * hidden * 4
+        assert ar(prefill) == ar(decode) == 0                        # no all-reduce at all under SP
 
 
-def _generate_and_paths(model):
+def _generate_and_paths(model, parts=None):
     from tplab.distributed.parallel_state import count_collectives
 
-    with LLM(model, tensor_parallel_size=2, sequence_parallel=True, max_num_batched_tokens=7) as llm:
+    with LLM(model, tensor_parallel_size=2, sequence_parallel=True, max_num_batched_tokens=7, parts=parts) as llm:
         with count_collectives() as seen:
             outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return [o.token_ids for o in outs], {(r.op, r.path) for r in seen}
+
+
+def test_an_embedding_that_only_all_reduces_is_sliced_by_each_rank(checkpoint, hf_model):
+    """A learner's embedding (notebook 06's solution) does not say it returns partial lookups: it keeps its
+    all-reduce, each rank keeps its own tokens of it, and the tokens are still HF's."""
+    from tplab.teaching.solutions.embedding import MyVocabParallelEmbedding
+    model = hf_model(checkpoint("vocab_pad"))
+    want = [hf_greedy(model, p, MAX_TOKENS)[0] for p in PROMPTS]
+    parts = {"embedding": MyVocabParallelEmbedding}
+    for tokens, paths in launch(_generate_and_paths, 2, args=(str(checkpoint("vocab_pad")), parts), timeout=300):
+        assert tokens == want and {op for op, _ in paths} == {"all_reduce", "reduce_scatter", "all_gather"}
 
 
 def test_sequence_parallel_through_the_process_group_matches_hf(checkpoint, hf_model, monkeypatch):
@@ -145,7 +159,8 @@ def test_sequence_parallel_at_tp1_is_the_plain_model(checkpoint, hf_model):
 
 # Under SP a rank's hooks see: its own tokens of the residual stream and norms (rows
 # [r * ceil(T/t), (r+1) * ceil(T/t)) of the padded tokens), the partial sums of o_proj/down_proj
-# (self_attn, mlp: summed over ranks they are HF's), and full tensors for the embedding and the logits.
+# and the embedding's partial lookups (self_attn, mlp, embed_tokens: summed over ranks they are HF's), and
+# the full logits.
 ROWS_OF_THIS_RANK = ("input_layernorm", "post_attention_layernorm", "model.norm")
 
 
@@ -161,7 +176,7 @@ def _sp_activations(model_dir, input_ids, tp):
 def _combine(per_rank: list[dict], name: str, num_tokens: int) -> torch.Tensor:
     if name.endswith(ROWS_OF_THIS_RANK) or name.split(".")[-1].isdigit():   # a norm or a layer's output
         return torch.cat([acts[name] for acts in per_rank])[:num_tokens]      # drop the padding rows
-    if name.endswith(("self_attn", "mlp")):
+    if name.endswith(("self_attn", "mlp", "embed_tokens")):
         return sum(acts[name] for acts in per_rank[1:]) + per_rank[0][name]   # rank order, as the reduction
     return per_rank[0][name]
 

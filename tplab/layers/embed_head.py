@@ -8,15 +8,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from tplab.layers.cpu_gemm import Gemm, GemmLayer
+from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.weights import copy_into, expect_shape
 from tplab.distributed.parallel_state import all_gather, all_reduce, tp_rank_and_size
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(nn.Module, ReturnsPartialSums):
     """Rank r holds rows ``[r * per_rank, (r + 1) * per_rank)`` of the padded embedding table.
 
     Each rank looks up the ids that fall in its rows, writes zeros for the others,
-    and an all-reduce sums the ranks' partial lookups into the full embedding.
+    and an all-reduce sums the ranks' partial lookups into the full embedding (``reduce_results=False``:
+    the caller sums them; sequence parallelism reduce-scatters them over tokens).
 
     Contract of ``Parts.embedding`` (what a replacement keeps):
     - ``__init__(num_embeddings, embedding_dim, tp_rank=None, tp_size=None)``: the full vocabulary size.
@@ -28,9 +30,11 @@ class VocabParallelEmbedding(nn.Module):
       same full embeddings on every rank.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank=None, tp_size=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank=None, tp_size=None,
+                 reduce_results: bool = True):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
+        self.reduce_results = reduce_results
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.per_rank = -(-num_embeddings // self.tp_size)          # ceil: the padded vocab / tp_size
         self.vocab_start = self.tp_rank * self.per_rank
@@ -54,7 +58,8 @@ class VocabParallelEmbedding(nn.Module):
         return y.masked_fill(~mine.unsqueeze(-1), 0.0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.lookup_local(input_ids), self.tp_size)
+        partial = self.lookup_local(input_ids)                      # (T, hidden), zeros for ids of other ranks
+        return all_reduce(partial, self.tp_size) if self.reduce_results else partial
 
 
 class ParallelLMHead(VocabParallelEmbedding, GemmLayer):

@@ -148,10 +148,11 @@ class QKVParallelLinear(LinearBase):
 
 
 class ReturnsPartialSums:
-    """A ``Parts.row_linear`` that can also be built with ``reduce_results=False`` (a keyword of its
-    ``__init__``): its ``forward`` then returns this rank's partial sum, ``(T, output_size)``, and the caller
-    reduces it; sequence parallelism reduce-scatters it over tokens (``tplab.models.sequence_parallel``).
-    A row_linear that does not declare it all-reduces, and ``LLM(sequence_parallel=True)`` refuses it."""
+    """A ``Parts.row_linear`` or ``Parts.embedding`` that can also be built with ``reduce_results=False`` (a
+    keyword of its ``__init__``): its ``forward`` then returns this rank's partial sum, ``(T, hidden)``, and
+    the caller reduces it; sequence parallelism reduce-scatters it over tokens
+    (``tplab.models.sequence_parallel``). ``LLM(sequence_parallel=True)`` refuses a row_linear that does not
+    declare it; an embedding that does not is all-reduced, and each rank then keeps its own tokens."""
 
 
 class RowParallelLinear(LinearBase, ReturnsPartialSums):

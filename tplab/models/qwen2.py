@@ -23,6 +23,7 @@ from torch import nn
 
 from tplab.distributed.parallel_state import tp_rank_and_size
 from tplab.layers.activation import SiluAndMul
+from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.metadata import AttentionMetadata
 from tplab.layers.norm import RMSNorm
 from tplab.layers.rotary import RotaryEmbedding, rope_settings
@@ -40,8 +41,8 @@ def local_head_counts(config, tp_size: int) -> tuple[int, int]:
 
 
 def row_settings(sequence_parallel: bool) -> dict:
-    """The row-parallel layers' extra settings: under sequence parallelism they return partial sums, which
-    the decoder layer reduce-scatters (the part is ``ReturnsPartialSums``; ``engine.config`` checks)."""
+    """The row-parallel layers' (and the embedding's) extra settings: under sequence parallelism they return
+    partial sums, which are reduce-scattered (the part is ``ReturnsPartialSums``; ``engine.config`` checks)."""
     return {"reduce_results": False} if sequence_parallel else {}
 
 
@@ -105,16 +106,20 @@ class Qwen2Model(nn.Module):
     def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
-        self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        # an embedding that can return its partial lookups is reduce-scattered too; any other is all-reduced
+        self.embed_partial = sequence_parallel and isinstance(parts.embedding, type) and \
+            issubclass(parts.embedding, ReturnsPartialSums)
+        self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size,
+                                            **row_settings(self.embed_partial))
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config, parts, tp_rank, tp_size, sequence_parallel)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, kv_caches, meta):
-        x = self.embed_tokens(input_ids)                            # (T, E), the same on every rank
+        x = self.embed_tokens(input_ids)                            # (T, E): full, or SP's partial lookups
         split = TokenSplit(x.shape[0], self.tp_rank, self.tp_size) if self.sequence_parallel else None
-        if split is not None:
-            x = split.local(x)                                      # (T_pad / t, E): this rank's tokens
+        if split is not None:                                       # -> (T_pad / t, E): this rank's tokens
+            x = split.scatter_sum(x) if self.embed_partial else split.local(x)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, kv_cache, meta, split)
         x = self.norm(x)
