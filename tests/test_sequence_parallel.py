@@ -190,3 +190,17 @@ def test_every_sublayer_under_sequence_parallel_matches_hf(name, tp, checkpoint,
     mine = {n: _combine(per_rank, n, len(ids)) for n in ref}
     rows = golden.compare(ref, mine)
     assert golden.first_divergence(rows) is None, golden.report(rows)
+
+
+def test_bf16_and_the_finite_check_give_plain_tps_tokens_on_the_shipped_model():
+    """bf16 rounds every stored activation; SP sums the same partial sums in the same order (shared
+    memory adds rank 0's then rank 1's) and runs the same per-token norms, so its tokens are plain TP's."""
+    from tplab import models
+    prompts = ["Once upon a time", "The little dog"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for sp in (False, True):
+        with LLM(models.tiny_stories(), tensor_parallel_size=2, dtype="bfloat16", check_finite=True,
+                 sequence_parallel=sp) as llm:
+            tokens[sp] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert tokens[True] == tokens[False]
