@@ -17,11 +17,12 @@ from tplab.distributed.launcher import RankError
 from tplab.engine.checks import NonFiniteError
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+BUSY = [list(range(1, 40))] * 48    # with LONG: about 3 s of generating here, so 0.5 s in is the middle (16 took 1.0 s)
 
 
 @pytest.fixture(scope="module")
 def slow_checkpoint(tmp_path_factory):
-    """Big enough that a 16-request generate takes seconds, so something can happen in the middle."""
+    """Big enough that generating for BUSY takes seconds, so something can happen in the middle."""
     return models.save_random_qwen2(tmp_path_factory.mktemp("slow"), hidden_size=256, intermediate_size=1024,
                                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
@@ -64,10 +65,10 @@ def test_finite_check_in_process_names_the_first_bad_sublayer(checkpoint):
 def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint):
     llm = LLM(slow_checkpoint, tensor_parallel_size=2, timeout=120)
     pids = rank_pids(llm)
-    threading.Timer(1.0, os.kill, (pids[1], signal.SIGKILL)).start()
+    threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL)).start()
     start = time.monotonic()
     with pytest.raises(RankError, match=r"rank 1 died \(signal 9, SIGKILL\)"):
-        llm.generate([list(range(1, 40))] * 16, LONG)
+        llm.generate(BUSY, LONG)
     assert time.monotonic() - start < 30 and gone(pids)
     with LLM(slow_checkpoint, tensor_parallel_size=2) as fresh:
         assert fresh.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids
@@ -76,9 +77,9 @@ def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint):
 def test_keyboard_interrupt_stops_the_ranks(slow_checkpoint, sigint_raises):
     llm = LLM(slow_checkpoint, tensor_parallel_size=2)
     pids = rank_pids(llm)
-    threading.Timer(1.0, _thread.interrupt_main).start()
+    threading.Timer(0.5, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
-        llm.generate([list(range(1, 40))] * 16, LONG)
+        llm.generate(BUSY, LONG)
     assert gone(pids)
 
 
