@@ -113,15 +113,21 @@ def _shm_for(x: torch.Tensor) -> ShmComm | None:
     return _tp_comm
 
 
-def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    """Sum ``x`` over the TP ranks in place (no-op at tp_size 1)."""
+def _collective(name: str, impl, x: torch.Tensor, tp_size: int, *args) -> torch.Tensor:
+    """Run collective ``impl(x, comm, *args)`` over the TP ranks (``x`` itself at tp_size 1), through shared
+    memory where it applies, recorded when ``count_collectives`` is watching."""
     if tp_size == 1:
         return x
     _check_group(tp_size)
     comm = _shm_for(x)
     if _recorders:
-        return _recorded("all_reduce", x, comm, _all_reduce, x, comm)
-    return _all_reduce(x, comm)
+        return _recorded(name, x, comm, impl, x, comm, *args)
+    return impl(x, comm, *args)
+
+
+def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """Sum ``x`` over the TP ranks in place (no-op at tp_size 1)."""
+    return _collective("all_reduce", _all_reduce, x, tp_size)
 
 
 def _all_reduce(x: torch.Tensor, comm: ShmComm | None) -> torch.Tensor:
@@ -133,13 +139,7 @@ def _all_reduce(x: torch.Tensor, comm: ShmComm | None) -> torch.Tensor:
 
 def all_gather(x: torch.Tensor, tp_size: int, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order (identity at tp_size 1)."""
-    if tp_size == 1:
-        return x
-    _check_group(tp_size)
-    comm = _shm_for(x)
-    if _recorders:
-        return _recorded("all_gather", x, comm, _all_gather, x, comm, tp_size, dim)
-    return _all_gather(x, comm, tp_size, dim)
+    return _collective("all_gather", _all_gather, x, tp_size, tp_size, dim)
 
 
 def _all_gather(x: torch.Tensor, comm: ShmComm | None, tp_size: int, dim: int) -> torch.Tensor:
@@ -153,16 +153,10 @@ def _all_gather(x: torch.Tensor, comm: ShmComm | None, tp_size: int, dim: int) -
 def reduce_scatter(x: torch.Tensor, tp_size: int, dim: int = 0) -> torch.Tensor:
     """Sum ``x`` over the TP ranks and return this rank's chunk of the sum: ``x.shape[dim] / tp_size`` rows
     of ``dim``, rank r the r-th (identity at tp_size 1). ``x.shape[dim]`` must divide by ``tp_size``."""
-    if tp_size == 1:
-        return x
-    _check_group(tp_size)
-    if x.shape[dim] % tp_size:
+    if tp_size > 1 and x.shape[dim] % tp_size:
         raise ValueError(f"reduce_scatter: dim {dim} of {tuple(x.shape)} is not divisible by tp_size {tp_size}; "
                          "pad it to a multiple first")
-    comm = _shm_for(x)
-    if _recorders:
-        return _recorded("reduce_scatter", x, comm, _reduce_scatter, x, comm, tp_size, dim)
-    return _reduce_scatter(x, comm, tp_size, dim)
+    return _collective("reduce_scatter", _reduce_scatter, x, tp_size, tp_size, dim)
 
 
 def _reduce_scatter(x: torch.Tensor, comm: ShmComm | None, tp_size: int, dim: int) -> torch.Tensor:
