@@ -151,6 +151,42 @@ def check_saved_python(notebooks=None, version: str = platform.python_version())
     return Check("ok", "notebooks' Python", f"saved with Python {version}, as here")
 
 
+GEMM_EPS_LIMIT = 64   # float32 eps of the output's largest value; a float32 GEMM here measures 3-7 (AMD EPYC, Zen 4)
+
+
+def gemm_paths() -> dict:
+    """The float32 matrix products the workbook compares: HF's (``F.linear``) and tplab's (oneDNN, with the
+    weight packed, where this machine has it: ``tplab.layers.cpu_gemm``)."""
+    import torch.nn.functional as F
+    from tplab.layers.cpu_gemm import Gemm
+    paths = {"F.linear (HF)": F.linear}
+    gemm = Gemm.choose(onednn=True, pack=True)
+    if gemm.onednn:
+        paths["oneDNN packed (tplab)" if gemm.pack else "oneDNN (tplab)"] = \
+            lambda x, w: gemm.linear(x, gemm.packed(w) if gemm.pack else w)
+    return paths
+
+
+def check_float32_gemm(paths=None) -> Check:
+    """Each float32 GEMM path against float64 at a Qwen2.5-0.5B shape, in float32 eps of the largest output:
+    a path that rounds its inputs to bf16/tf32/fp16 (an fpmath mode, a reduced matmul precision) is hundreds
+    of eps off, and would put tplab and HF further apart than rounding on this machine."""
+    import torch
+    paths = gemm_paths() if paths is None else paths
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 896, generator=gen), torch.randn(4864, 896, generator=gen) / 30
+    ref = (x.double() @ w.double().T)
+    eps = {name: ((f(x, w).double() - ref).abs().max() / ref.abs().max()).item() / torch.finfo(torch.float32).eps
+           for name, f in paths.items()}
+    detail = ", ".join(f"{name} {e:.0f} eps" for name, e in eps.items())
+    bad = [name for name, e in eps.items() if e > GEMM_EPS_LIMIT]
+    if bad:
+        return Check("warn", "float32 GEMM", f"{detail}: {', '.join(bad)} is not float32 (over {GEMM_EPS_LIMIT} eps)",
+                     "tplab and HF will differ by more than rounding here: unset ONEDNN_DEFAULT_FPMATH_MODE, keep "
+                     "torch.set_float32_matmul_precision('highest'), or run with TPLAB_ONEDNN=0")
+    return Check("ok", "float32 GEMM", f"{detail} against float64 (float32: under {GEMM_EPS_LIMIT})")
+
+
 def run_two_ranks() -> float:
     """Start the shipped tiny model at TP 2, generate 8 greedy tokens, check them against TP 1.
     Returns the seconds it took, ranks' start included."""
@@ -204,6 +240,7 @@ def gather() -> list[Check]:
         checks.append(Check("FAIL", "memory", "psutil is missing", "`rm -rf .venv` and run ./workbook.sh doctor again"))
     checks += [check_shared_memory(), check_kernel(), check_saved_python()]
     if "error" not in facts:
+        checks.append(check_float32_gemm())
         ranks, seconds = check_ranks()
         checks += [ranks] + slow_notebooks(seconds)
     return checks

@@ -81,3 +81,15 @@ def test_report_exits_non_zero_only_on_a_problem():
 def test_this_machine_passes_the_two_rank_check():
     check, seconds = doctor.check_ranks()
     assert check.status == "ok", check.detail
+
+
+def test_float32_gemm_paths_here_are_float32_and_a_bf16_path_is_named():
+    import torch
+    import torch.nn.functional as F
+    here = doctor.check_float32_gemm()
+    assert here.status == "ok", here.detail
+    assert "F.linear (HF)" in here.detail
+    bf16 = {"F.linear (HF)": F.linear, "bf16 inputs": lambda x, w: F.linear(x.bfloat16(), w.bfloat16()).float()}
+    check = doctor.check_float32_gemm(bf16)
+    assert check.status == "warn" and "bf16 inputs is not float32" in check.detail and "F.linear (HF) is" not in check.detail
+    assert "TPLAB_ONEDNN=0" in check.fix
