@@ -169,7 +169,7 @@ def gemm_paths() -> dict:
 
 def check_float32_gemm(paths=None) -> Check:
     """Each float32 GEMM path against float64 at a Qwen2.5-0.5B shape, in float32 eps of the largest output:
-    a path that rounds its inputs to bf16/tf32/fp16 (an fpmath mode, a reduced matmul precision) is hundreds
+    a path that rounds its inputs to bf16/tf32/fp16 (an fpmath mode, a reduced matmul precision) is thousands
     of eps off, and would put tplab and HF further apart than rounding on this machine."""
     import torch
     paths = gemm_paths() if paths is None else paths
