@@ -20,6 +20,7 @@ from tplab.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tplab.layers.rotary import apply_rotary
 from tplab.models.loader import load_weights
+from tplab.models.sequence_parallel import SequenceParallelNormRegion
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Parts:
     positions: Callable = token_positions           # the positions of the tokens a step feeds
     load_weights: Callable = load_weights           # checkpoint -> this rank's parameters
     block_manager: type = BlockManager              # which KV blocks each sequence holds
+    sp_norm_region: type = SequenceParallelNormRegion   # sequence parallel: reduce-scatter, + residual, norm, gather
 
     def replaced(self) -> dict[str, object]:
         """The fields that differ from tplab's own parts."""

@@ -27,7 +27,6 @@ from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.metadata import AttentionMetadata
 from tplab.layers.norm import RMSNorm
 from tplab.layers.rotary import RotaryEmbedding, rope_settings
-from tplab.models.sequence_parallel import TokenSplit
 
 
 def head_dim_of(config) -> int:
@@ -94,10 +93,10 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen2MLP(config, parts, tp_rank, tp_size, sequence_parallel)
 
-    def forward(self, x, kv_cache, meta, split: TokenSplit | None = None):
-        if split is not None:   # sequence parallel: x is this rank's (T_pad / t, E) tokens
-            x = x + split.scatter_sum(self.self_attn(split.gather(self.input_layernorm(x)), kv_cache, meta))
-            return x + split.scatter_sum(self.mlp(split.gather(self.post_attention_layernorm(x))))
+    def forward(self, x, kv_cache, meta, sp=None):
+        if sp is not None:      # sequence parallel (a Parts.sp_norm_region): x is this rank's (T_pad / t, E) tokens
+            x = sp.add(self.self_attn(sp.norm_gather(x, self.input_layernorm), kv_cache, meta), x)
+            return sp.add(self.mlp(sp.norm_gather(x, self.post_attention_layernorm)), x)
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -106,6 +105,7 @@ class Qwen2Model(nn.Module):
     def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
+        self.sp_norm_region = parts.sp_norm_region
         # an embedding that can return its partial lookups is reduce-scattered too; any other is all-reduced
         self.embed_partial = sequence_parallel and isinstance(parts.embedding, type) and \
             issubclass(parts.embedding, ReturnsPartialSums)
@@ -117,13 +117,12 @@ class Qwen2Model(nn.Module):
 
     def forward(self, input_ids, kv_caches, meta):
         x = self.embed_tokens(input_ids)                            # (T, E): full, or SP's partial lookups
-        split = TokenSplit(x.shape[0], self.tp_rank, self.tp_size) if self.sequence_parallel else None
-        if split is not None:                                       # -> (T_pad / t, E): this rank's tokens
-            x = split.scatter_sum(x) if self.embed_partial else split.local(x)
+        sp = self.sp_norm_region(x.shape[0], self.tp_rank, self.tp_size) if self.sequence_parallel else None
+        if sp is not None:                                          # -> (T_pad / t, E): this rank's tokens
+            x = sp.add(x) if self.embed_partial else sp.local(x)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, kv_cache, meta, split)
-        x = self.norm(x)
-        return x if split is None else split.gather(x)              # (T, E) for the LM head
+            x = layer(x, kv_cache, meta, sp)
+        return self.norm(x) if sp is None else sp.norm_gather(x, self.norm)   # (T, E) for the LM head
 
 
 def tie_weights(lm_head: nn.Module, embedding: nn.Module) -> None:
