@@ -23,7 +23,7 @@ import torch
 from tplab.distributed.launcher import RankError
 from tplab.engine.parts import FIELDS
 from tplab.teaching.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
-                                      own_code, watchdog)
+                                      own_code, sp_region_probe, watchdog)
 from tplab.teaching.exercises.layer_diagnoses import DIAGNOSE
 from tplab.teaching.exercises.in_engine import NEW_TOKENS, engine_acts, engine_config, kept_ranks, reference, serve
 from tplab.teaching.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
@@ -33,6 +33,7 @@ TOL = 1e-4
 
 LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
                 "block_manager": block_manager_probe}
+RANK_PROBES = {"sp_norm_region": sp_region_probe}  # parts alone in the ranks, by their own probe (collectives)
 HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
     ("attention", "shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
                            "per slot) has no room for them: store the KV heads, repeat only for the scores"),
@@ -40,6 +41,9 @@ HINTS = [  # (the part it applies to, or None for any; words in an error; what t
            "or made, float64 (or another dtype); keep x's dtype (dtype=x.dtype, or .to(x.dtype))"),
     (None, "to have the same dtype", "two tensors of different dtypes met: a part returned, or made, another dtype "
            "than the model's (float64?); keep x's dtype (dtype=x.dtype, or .to(x.dtype))"),
+    ("sp_norm_region", "not divisible by tp_size", "a step's T tokens need not divide by tp_size (a lone decode "
+                       "token never does): pad them with zero rows to a multiple of tp_size before the reduce-scatter, "
+                       "and drop those rows after the all-gather"),
     (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
            "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
            "all_gather(x, tp_size), which do"),
@@ -117,6 +121,12 @@ def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None
         if group is not None:
             return None
         ok, why = LOCAL_PROBES[name].diagnose(call_bounded(bound, LOCAL_PROBES[name].run, impl))
+        return None if ok else f"the part alone: {why}"
+    if name in RANK_PROBES:                           # needs real ranks: at TP > 1 only
+        if group is None:
+            return None
+        results = group.run(call_bounded, (bound, RANK_PROBES[name].run, impl), timeout=timeout)
+        ok, why = RANK_PROBES[name].diagnose(results, tp)
         return None if ok else f"the part alone: {why}"
     if name not in SPECS:
         return None
