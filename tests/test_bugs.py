@@ -26,8 +26,10 @@ def bug_rows(checkpoint, reference, names, tp=1):
 def test_names_cover_the_pitfalls_of_the_review_notes_and_say_which():
     assert set(bugs.NAMES) == {"mask_mul_inf", "no_mask_with_cache", "no_rope", "rope_layout", "rope_cos_sin_axis", "rope_swallowed",
                                "shard_dim1", "qkv_presized", "kv_cache_repeated", "decode_position_offby1",
-                               "lm_head_missing", "lm_head_random", "full_load_per_rank"}
-    assert all("Review notes:" in bugs.describe(name) for name in bugs.NAMES)
+                               "lm_head_missing", "lm_head_random", "full_load_per_rank",
+                               "pp_residual_not_sent", "pp_kv_every_layer"}
+    assert all("Review notes:" in bugs.describe(name) for name in bugs.NAMES if not name.startswith("pp_"))
+    assert all("Where it comes from:" in bugs.describe(name) for name in bugs.NAMES if name.startswith("pp_"))
 
 
 @pytest.mark.parametrize("bug", ["mask_mul_inf", "no_rope", "rope_layout"])
