@@ -26,23 +26,27 @@ _HEADER = 4096
 
 
 class ShmComm:
-    """Collectives over a shared-memory segment that every rank of the default group maps."""
+    """Collectives over a shared-memory segment that every rank of ``group`` maps (the default group when
+    None; under pipeline parallelism, one stage's TP ranks). Ranks are numbered within the group."""
 
-    def __init__(self, timeout: float = 300.0):
-        self.rank, self.world_size, self.timeout = dist.get_rank(), dist.get_world_size(), timeout
-        self.group = dist.group.WORLD
-        name = [f"/dev/shm/tplab-{uuid.uuid4().hex}" if self.rank == 0 else None]
-        dist.broadcast_object_list(name, src=0)
+    def __init__(self, group=None, timeout: float = 300.0):
+        self.group = group or dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.timeout = timeout
+        # one segment per group: its first rank names it (a fresh uuid) and tells the others
+        first = dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0
+        name = [f"/dev/shm/tplab-r{first}-{uuid.uuid4().hex}" if self.rank == 0 else None]
+        dist.broadcast_object_list(name, group_src=0, group=self.group)
         size = _HEADER + 2 * self.world_size * SLOT_BYTES
         fd = os.open(name[0], os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if self.rank == 0:
                 os.ftruncate(fd, size)
-            dist.barrier()                         # the file has its size before anyone maps it
+            dist.barrier(group=self.group)         # the file has its size before anyone maps it
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        dist.barrier()                             # everyone has mapped it: the name can go
+        dist.barrier(group=self.group)             # everyone has mapped it: the name can go
         if self.rank == 0:
             os.unlink(name[0])                     # nothing is left in /dev/shm, even after a crash
         self._seqs = np.ndarray((self.world_size,), dtype=np.int64, buffer=self._mm)
