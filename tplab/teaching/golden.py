@@ -80,6 +80,38 @@ def tplab_activations(model_dir, input_ids: list[int], tensor_parallel_size: int
     return launch(rank_activations, tensor_parallel_size, args=args)[0]
 
 
+def stage_activations(cfg, input_ids: list[int]) -> dict[str, torch.Tensor] | None:
+    """In a rank of an engine ``cfg`` (an ``EngineConfig``; pipeline parallel or not): one prefill of ``input_ids``
+    through the engine itself, with hooks on the sublayers this rank's stage owns; on each stage's TP rank 0
+    (after the all-reduces) ``{name: (T, E)}``, None on the other ranks."""
+    from tplab.engine.sampling import SamplingParams
+    from tplab.engine.worker import Worker
+    from tplab.models.pipeline import PPMissingLayer
+    worker = Worker(cfg)
+    model = worker.engine.model
+    modules = dict(model.named_modules())
+    owned = [n for n in activation_names(cfg.hf_config.num_hidden_layers)[:-1]
+             if n in modules and not isinstance(modules[n], PPMissingLayer)]
+    with capture(model, outputs_of=owned) as (acts, _):
+        worker.generate([list(input_ids)], [SamplingParams(temperature=0.0, max_tokens=1)])
+    return dict(acts) if model.tp_rank == 0 else None
+
+
+def pipeline_activations(model_dir, input_ids: list[int], tensor_parallel_size: int = 1, pipeline_parallel_size: int = 2,
+                         bugs=(), parts=None) -> dict[str, torch.Tensor]:
+    """Every sublayer's activations for one prompt through a pipeline-parallel engine (t x p ranks), each from
+    the stage that owns it, in forward order; no ``logits`` (the engine computes only the last token's).
+    Compare with ``compare({n: ref[n] for n in mine}, mine)``."""
+    from tplab.engine.config import engine_config
+    cfg = engine_config(model_dir, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                        bugs=tuple(bugs), parts=parts, max_num_batched_tokens=max(len(input_ids), 16), device="cpu")
+    merged = {}
+    for acts in launch(stage_activations, tensor_parallel_size * pipeline_parallel_size, args=(cfg, list(input_ids))):
+        merged.update(acts or {})
+    order = activation_names(cfg.hf_config.num_hidden_layers)
+    return {n: merged[n] for n in order if n in merged}
+
+
 @dataclass
 class Diff:
     name: str

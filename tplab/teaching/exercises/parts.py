@@ -44,6 +44,8 @@ HINTS = [  # (the part it applies to, or None for any; words in an error; what t
     ("sp_norm_region", "not divisible by tp_size", "a step's T tokens need not divide by tp_size (a lone decode "
                        "token never does): pad them with zero rows to a multiple of tp_size before the reduce-scatter, "
                        "and drop those rows after the all-gather"),
+    ("pipeline_stage", "Pair is not connected", "a rank sent to (or received from) itself: a stage's peer one stage "
+                        "away is world rank (pp_rank +/- 1) * tp_size + tp_rank, the same TP rank in that stage"),
     (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
            "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
            "all_gather(x, tp_size), which do"),
@@ -186,11 +188,15 @@ def _verdict(name, parts, tp, acts1, acts, tokens, want, stats) -> ExerciseResul
 
 def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 90.0) -> ExerciseResult:
     """Run the shipped model with ``impl`` as part ``name`` (a field of ``tplab.Parts``) at TP 1 and at
-    ``tensor_parallel_size`` against HF. ``.ok`` is True, False, or None for an untouched stub;
+    ``tensor_parallel_size`` against HF (``pipeline_stage``: at ``tensor_parallel_size`` x 2 pipeline stages, after
+    its layouts and its boundary alone; ``sp_norm_region``: with sequence parallelism). ``.ok`` is True, False, or None for an untouched stub;
     ``.message`` names the first sublayer that differs, on which rank, and the mistake where it
     recognises one."""
     if name not in FIELDS:
         raise ValueError(f"no part named {name!r}; the parts are {list(FIELDS)}")
+    if name == "pipeline_stage":                       # its own checks: layouts, the boundary, the engine at PP 2
+        from tplab.teaching.exercises import pipeline_probe
+        return pipeline_probe.judge(impl, tensor_parallel_size, timeout, _exception_result)
     return judge_in_engine(name, impl, {name: impl}, tensor_parallel_size, timeout)
 
 

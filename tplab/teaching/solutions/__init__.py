@@ -13,7 +13,7 @@ _HERE = pathlib.Path(__file__).parent
 PARTS = {"gate_up_linear": "MyMergedColumnParallelLinear", "row_linear": "MyRowParallelLinear",
          "qkv_linear": "MyQKVParallelLinear", "embedding": "MyVocabParallelEmbedding",
          "lm_head": "MyParallelLMHead", "attention": "MyAttention", "block_manager": "MyBlockManager",
-         "sp_norm_region": "MySequenceParallelNormRegion"}
+         "sp_norm_region": "MySequenceParallelNormRegion", "pipeline_stage": "MyPipelineStage"}
 
 
 def names() -> list[str]:
