@@ -88,3 +88,12 @@ def test_a_peer_that_forgets_the_tp_ranks_fails_with_where_to_send():
     result = check_part("pipeline_stage", PeerWithoutTP, tensor_parallel_size=2, timeout=20)
     assert result.ok is False and "at the boundary, TP 2 x PP 2" in result.message, result.message
     assert "(pp_rank +/- 1) * tp_size + tp_rank" in result.message or "(s + 1) * tp_size + tp_rank" in result.message
+
+
+def test_check_engine_calls_notebook_07s_stubs_stubs():
+    """notebook 06's finale, after a Run All of notebook 07: its two stubs are named, not run."""
+    from tplab.exercises import check_engine
+    region_stub = type("Stub", (define("sp_norm_region")["MySequenceParallelNormRegion"],),
+                       {"__init__": Stub.__init__})
+    result = check_engine({"pipeline_stage": Stub, "sp_norm_region": region_stub})
+    assert result.ok is None and "pipeline_stage" in result.message and "sp_norm_region" in result.message, result

@@ -230,6 +230,8 @@ def _is_stub(impl, name) -> bool:
             call_bounded(None, run_probe, impl, SPECS[name](1), 0, 1)
         elif name in LOCAL_PROBES:
             call_bounded(None, LOCAL_PROBES[name].run, impl)
+        elif name in RANK_PROBES or name == "pipeline_stage":     # notebook 07's stubs raise when built
+            call_bounded(None, impl, 4, 0, 1)
     except Exception as e:
         return is_stub_error(impl, e)
     except DidNotReturn:                  # not a stub: the check itself stops it again and says where
