@@ -97,3 +97,12 @@ def test_check_engine_calls_notebook_07s_stubs_stubs():
                        {"__init__": Stub.__init__})
     result = check_engine({"pipeline_stage": Stub, "sp_norm_region": region_stub})
     assert result.ok is None and "pipeline_stage" in result.message and "sp_norm_region" in result.message, result
+
+
+def test_a_pipeline_check_leaves_the_tp_checks_ranks_alone():
+    """A pipeline engine sets a t x p layout in its ranks' processes; the TP checks that follow (notebook 07 run
+    twice in one kernel) must not inherit it: they run in other ranks."""
+    region = define("sp_norm_region")["MySequenceParallelNormRegion"]
+    assert check_part("pipeline_stage", Stage, tensor_parallel_size=1).ok is True
+    result = check_part("sp_norm_region", region, tensor_parallel_size=2)
+    assert result.ok is True, result.message

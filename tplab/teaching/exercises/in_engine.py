@@ -75,15 +75,16 @@ def engine_acts(cfg, prompt):
     return all_tokens(model, acts, len(prompt)) if model.sequence_parallel else acts   # SP: back to all T tokens
 
 
-_groups: dict[int, RankGroup] = {}
+_groups: dict[tuple[str, int], RankGroup] = {}
 
 
-def kept_ranks(tp: int, timeout: float) -> RankGroup:
+def kept_ranks(tp: int, timeout: float, purpose: str = "tp") -> RankGroup:
     """``tp`` gloo ranks kept from one check to the next (where ranks are spawned, starting them costs
-    seconds); a group that a failure closed is replaced. They end with this process."""
-    group = _groups.get(tp)
+    seconds); a group that a failure closed is replaced. They end with this process. ``purpose="pp"``: other
+    ranks, for pipeline checks, whose engines set a t x p layout in their processes that TP checks must not see."""
+    group = _groups.get((purpose, tp))
     if group is None or group.closed:
-        group = _groups[tp] = RankGroup(tp, backend="gloo", timeout=timeout)
+        group = _groups[purpose, tp] = RankGroup(tp, backend="gloo", timeout=timeout)
     return group
 
 

@@ -124,7 +124,7 @@ def judge(impl, tp: int, timeout: float, on_error) -> ExerciseResult:
             why = call_bounded(bound, _layout_problem, impl, num_layers, pp)
             if why:
                 return ExerciseResult("pipeline_stage", False, f"the stages alone, {why}")
-        where, group = f"at the boundary, TP {tp} x PP {PP}", kept_ranks(tp * PP, timeout)
+        where, group = f"at the boundary, TP {tp} x PP {PP}", kept_ranks(tp * PP, timeout, "pp")
         why = _boundary_problem(group.run(call_bounded, (bound, boundary_run, impl, tp), timeout=timeout), tp)
         if why:
             return ExerciseResult("pipeline_stage", False, why)
