@@ -172,7 +172,7 @@ def init_model_parallel(tp_size: int, pp_size: int = 1, use_shm: bool = True) ->
         for stage in range(pp_size):
             made = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
             group = made if stage == pp_rank else group
-    comm = ShmComm(group) if group is not None and use_shm and shm_applies() else None
+    comm = ShmComm(group) if group is not None and use_shm and shm_applies(group) else None
     _layout = Layout(dist.group.WORLD, group, tp_rank, tp_size, pp_rank, pp_size, comm)
     return _layout
 
