@@ -139,16 +139,18 @@ def _tp_group_of_each_stage(tp, pp):
     layout = ps.init_model_parallel(tp, pp)
     x = torch.full((2, 3), float(dist.get_rank()))
     total = ps.all_reduce(x, tp)                                     # over this stage's TP ranks only
+    world = ps.all_reduce(torch.ones(2), tp * pp)                   # a layer built for the whole world: over it
     try:
-        ps.all_reduce(torch.ones(2), tp * pp)                        # a layer built for the whole world
+        ps.all_reduce(torch.ones(2), 3)                              # no group of 3 ranks
         error = ""
     except RuntimeError as e:
         error = str(e)
-    return (ps.tp_rank_and_size(), ps.pp_rank_and_size(), total[0, 0].item(), layout.comm is not None, error)
+    return (ps.tp_rank_and_size(), ps.pp_rank_and_size(), total[0, 0].item(), layout.comm is not None,
+            world[0].item(), error)
 
 
 def test_each_stage_all_reduces_over_its_own_tp_group_through_its_own_shared_memory():
-    for rank, (tp_rs, pp_rs, total, shm, error) in enumerate(launch(_tp_group_of_each_stage, 4, args=(2, 2))):
+    for rank, (tp_rs, pp_rs, total, shm, world, error) in enumerate(launch(_tp_group_of_each_stage, 4, args=(2, 2))):
         assert tp_rs == (rank % 2, 2) and pp_rs == (rank // 2, 2)
-        assert total == {0: 0 + 1, 1: 2 + 3}[rank // 2] and shm
-        assert "needs a process group of that size (found a TP group of 2)" in error
+        assert total == {0: 0 + 1, 1: 2 + 3}[rank // 2] and shm and world == 4
+        assert "collective over tp_size=3 ranks needs a process group of that size (found a TP group of 2)" in error

@@ -126,9 +126,10 @@ def _tp_group(tp_size: int) -> tuple[object, Layout | None]:
     if layout is not None and layout.tp_size == tp_size:
         return layout.group, layout
     # A layer built for tp_size > 1 in a process without a matching group would otherwise
-    # return a partial sum that looks like a real activation.
-    if layout is None and dist.is_initialized() and dist.get_world_size() == tp_size:
-        return None, None                          # no layout decided: the whole world is the TP group
+    # return a partial sum that looks like a real activation. One built for the whole world runs over it
+    # (ranks kept between checks may have run a pipeline before: its stages' groups do not match then).
+    if dist.is_initialized() and dist.get_world_size() == tp_size:
+        return None, None
     have = (f"a TP group of {layout.tp_size}" if layout is not None else
             f"a process group of {dist.get_world_size()}" if dist.is_initialized() else "no process group")
     raise RuntimeError(
