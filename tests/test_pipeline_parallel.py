@@ -154,3 +154,17 @@ def test_each_stage_all_reduces_over_its_own_tp_group_through_its_own_shared_mem
         assert tp_rs == (rank % 2, 2) and pp_rs == (rank // 2, 2)
         assert total == {0: 0 + 1, 1: 2 + 3}[rank // 2] and shm and world == 4
         assert "collective over tp_size=3 ranks needs a process group of that size (found a TP group of 2)" in error
+
+
+def test_a_stage_part_that_breaks_the_contract_is_refused_before_it_runs(deep):
+    """A replacement ``pipeline_stage`` whose stages all claim every layer (a learner's, say) is named."""
+    from tplab.models.pipeline import PipelineStage
+
+    class EveryLayerStage(PipelineStage):
+        def __init__(self, num_layers, pp_rank, pp_size, tp_rank=0, tp_size=1):
+            super().__init__(num_layers, pp_rank, pp_size, tp_rank, tp_size)
+            self.layers = range(num_layers)
+
+    with pytest.raises(RankError, match=r"pipeline stage 1 owns layers \[0, 1, 2, 3, 4\]: each stage needs a "
+                                        r"non-empty run of consecutive layers starting where the previous"):
+        LLM(deep, pipeline_parallel_size=2, parts={"pipeline_stage": EveryLayerStage})

@@ -16,7 +16,7 @@ from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import KVCacheSpec, ModelRunner
-from tplab.engine.pipeline_loop import PipelineLoop
+from tplab.engine.pipeline_loop import PipelineLoop, check_stages
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
@@ -129,6 +129,8 @@ class LLMEngine:
         if cfg.check_finite:
             install_finite_check(self.model)
         stage, pp = self.model.stage, cfg.pipeline_parallel_size
+        if pp > 1:
+            check_stages(stage, cfg.hf_config.num_hidden_layers, cfg.tensor_parallel_size)
         spec = kv_cache_spec(cfg, num_layers=len(stage.kv_cache_layers))
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions, stage.kv_cache_layers, num_engines=pp)
