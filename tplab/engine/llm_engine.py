@@ -135,15 +135,18 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions, stage.kv_cache_layers, num_engines=pp)
         # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
-        self.schedulers = [Scheduler(cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size,
-                                                             cfg.enable_prefix_caching),
-                                     cfg.max_num_seqs, cfg.max_num_batched_tokens or default_batched_tokens(self.device),
-                                     eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
-                           for _ in range(pp)]
+        self.schedulers = [self._scheduler() for _ in range(pp)]
         self.scheduler, self.block_manager = self.schedulers[0], self.schedulers[0].block_manager
         self.pipeline = PipelineLoop(self.runner, self.schedulers, stage, cfg.hf_config.hidden_size,
                                      cfg.dtype) if pp > 1 else None
         self.num_steps = 0
+
+    def _scheduler(self) -> Scheduler:
+        """A scheduler with its own block manager over ``runner.num_blocks`` blocks."""
+        cfg = self.cfg
+        blocks = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        return Scheduler(blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens or default_batched_tokens(self.device),
+                         eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False) -> list[Sequence]:
         """Serve every prompt with continuous batching; returns the finished sequences in prompt order.
