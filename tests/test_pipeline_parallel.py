@@ -104,6 +104,31 @@ def test_pp_kv_every_layer_keeps_the_tokens_and_multiplies_the_cache():
         assert wrong[2] == 2 * right[2]                              # p = 2 times the cache
 
 
+def _stage_activations(folder, bugs):
+    """In each rank: its stage's activations of one prefill (HF's names), through the real engine."""
+    from tplab import golden
+    from tplab.engine.probe import capture
+    from tplab.models.pipeline import PPMissingLayer
+    with LLM(folder, pipeline_parallel_size=2, bugs=bugs) as llm:
+        model = llm._worker.engine.model
+        modules = dict(model.named_modules())
+        names = [n for n in golden.activation_names(5)[:-1]           # those this stage holds
+                 if not isinstance(modules.get(n, PPMissingLayer()), PPMissingLayer)]
+        with capture(model, outputs_of=names) as (outputs, _):
+            llm.generate([PROMPTS[2]], SamplingParams(max_tokens=1))       # the prefill alone
+    return outputs
+
+
+def test_pp_residual_not_sent_is_exact_on_stage_0_and_wrong_from_the_first_layer_of_stage_1(deep):
+    from tplab import golden
+    ref = golden.hf_activations(deep, PROMPTS[2])
+    for bugs, want in (((), [None, None]), (("pp_residual_not_sent",), [None, "model.layers.3.input_layernorm"])):
+        stages = launch(_stage_activations, 2, args=(str(deep), bugs))
+        rows = [golden.compare({n: ref[n] for n in mine}, mine) for mine in stages]
+        assert [golden.first_divergence(r) for r in rows] == want, bugs
+        assert {r.name for r in rows[1]} >= {"model.layers.3.self_attn", "model.layers.4", "model.norm"}
+
+
 def test_pp_residual_not_sent_diverges_from_hf(deep, hf_model):
     want = [hf_greedy(hf_model(deep), p, MAX_TOKENS)[0] for p in PROMPTS[:3]]
     with LLM(deep, pipeline_parallel_size=2, bugs=["pp_residual_not_sent"], num_kv_blocks=32, **ENGINE) as llm:
