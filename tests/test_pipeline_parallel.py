@@ -104,6 +104,31 @@ def test_pp_kv_every_layer_keeps_the_tokens_and_multiplies_the_cache():
         assert wrong[2] == 2 * right[2]                              # p = 2 times the cache
 
 
+def _stage_activations(folder, bugs):
+    """In each rank: its stage's activations of one prefill (HF's names), through the real engine."""
+    from tplab import golden
+    from tplab.engine.probe import capture
+    from tplab.models.pipeline import PPMissingLayer
+    with LLM(folder, pipeline_parallel_size=2, bugs=bugs) as llm:
+        model = llm._worker.engine.model
+        modules = dict(model.named_modules())
+        names = [n for n in golden.activation_names(5)[:-1]           # those this stage holds
+                 if not isinstance(modules.get(n, PPMissingLayer()), PPMissingLayer)]
+        with capture(model, outputs_of=names) as (outputs, _):
+            llm.generate([PROMPTS[2]], SamplingParams(max_tokens=1))       # the prefill alone
+    return outputs
+
+
+def test_pp_residual_not_sent_is_exact_on_stage_0_and_wrong_from_the_first_layer_of_stage_1(deep):
+    from tplab import golden
+    ref = golden.hf_activations(deep, PROMPTS[2])
+    for bugs, want in (((), [None, None]), (("pp_residual_not_sent",), [None, "model.layers.3.input_layernorm"])):
+        stages = launch(_stage_activations, 2, args=(str(deep), bugs))
+        rows = [golden.compare({n: ref[n] for n in mine}, mine) for mine in stages]
+        assert [golden.first_divergence(r) for r in rows] == want, bugs
+        assert {r.name for r in rows[1]} >= {"model.layers.3.self_attn", "model.layers.4", "model.norm"}
+
+
 def test_pp_residual_not_sent_diverges_from_hf(deep, hf_model):
     want = [hf_greedy(hf_model(deep), p, MAX_TOKENS)[0] for p in PROMPTS[:3]]
     with LLM(deep, pipeline_parallel_size=2, bugs=["pp_residual_not_sent"], num_kv_blocks=32, **ENGINE) as llm:
@@ -139,16 +164,32 @@ def _tp_group_of_each_stage(tp, pp):
     layout = ps.init_model_parallel(tp, pp)
     x = torch.full((2, 3), float(dist.get_rank()))
     total = ps.all_reduce(x, tp)                                     # over this stage's TP ranks only
+    world = ps.all_reduce(torch.ones(2), tp * pp)                   # a layer built for the whole world: over it
     try:
-        ps.all_reduce(torch.ones(2), tp * pp)                        # a layer built for the whole world
+        ps.all_reduce(torch.ones(2), 3)                              # no group of 3 ranks
         error = ""
     except RuntimeError as e:
         error = str(e)
-    return (ps.tp_rank_and_size(), ps.pp_rank_and_size(), total[0, 0].item(), layout.comm is not None, error)
+    return (ps.tp_rank_and_size(), ps.pp_rank_and_size(), total[0, 0].item(), layout.comm is not None,
+            world[0].item(), error)
 
 
 def test_each_stage_all_reduces_over_its_own_tp_group_through_its_own_shared_memory():
-    for rank, (tp_rs, pp_rs, total, shm, error) in enumerate(launch(_tp_group_of_each_stage, 4, args=(2, 2))):
+    for rank, (tp_rs, pp_rs, total, shm, world, error) in enumerate(launch(_tp_group_of_each_stage, 4, args=(2, 2))):
         assert tp_rs == (rank % 2, 2) and pp_rs == (rank // 2, 2)
-        assert total == {0: 0 + 1, 1: 2 + 3}[rank // 2] and shm
-        assert "needs a process group of that size (found a TP group of 2)" in error
+        assert total == {0: 0 + 1, 1: 2 + 3}[rank // 2] and shm and world == 4
+        assert "collective over tp_size=3 ranks needs a process group of that size (found a TP group of 2)" in error
+
+
+def test_a_stage_part_that_breaks_the_contract_is_refused_before_it_runs(deep):
+    """A replacement ``pipeline_stage`` whose stages all claim every layer (a learner's, say) is named."""
+    from tplab.models.pipeline import PipelineStage
+
+    class EveryLayerStage(PipelineStage):
+        def __init__(self, num_layers, pp_rank, pp_size, tp_rank=0, tp_size=1):
+            super().__init__(num_layers, pp_rank, pp_size, tp_rank, tp_size)
+            self.layers = range(num_layers)
+
+    with pytest.raises(RankError, match=r"pipeline stage 1 owns layers \[0, 1, 2, 3, 4\]: each stage needs a "
+                                        r"non-empty run of consecutive layers starting where the previous"):
+        LLM(deep, pipeline_parallel_size=2, parts={"pipeline_stage": EveryLayerStage})

@@ -126,9 +126,10 @@ def _tp_group(tp_size: int) -> tuple[object, Layout | None]:
     if layout is not None and layout.tp_size == tp_size:
         return layout.group, layout
     # A layer built for tp_size > 1 in a process without a matching group would otherwise
-    # return a partial sum that looks like a real activation.
-    if layout is None and dist.is_initialized() and dist.get_world_size() == tp_size:
-        return None, None                          # no layout decided: the whole world is the TP group
+    # return a partial sum that looks like a real activation. One built for the whole world runs over it
+    # (ranks kept between checks may have run a pipeline before: its stages' groups do not match then).
+    if dist.is_initialized() and dist.get_world_size() == tp_size:
+        return None, None
     have = (f"a TP group of {layout.tp_size}" if layout is not None else
             f"a process group of {dist.get_world_size()}" if dist.is_initialized() else "no process group")
     raise RuntimeError(
@@ -172,7 +173,7 @@ def init_model_parallel(tp_size: int, pp_size: int = 1, use_shm: bool = True) ->
         for stage in range(pp_size):
             made = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
             group = made if stage == pp_rank else group
-    comm = ShmComm(group) if group is not None and use_shm and shm_applies() else None
+    comm = ShmComm(group) if group is not None and use_shm and shm_applies(group) else None
     _layout = Layout(dist.group.WORLD, group, tp_rank, tp_size, pp_rank, pp_size, comm)
     return _layout
 

@@ -99,9 +99,18 @@ class ShmComm:
         return total
 
 
-def shm_applies() -> bool:
-    """Shared memory needs gloo ranks that all live on this machine, and x86's store ordering.
-    ``TPLAB_SHM_COMM=0`` turns it off (the benchmarks compare both paths)."""
-    return (os.environ.get("TPLAB_SHM_COMM", "1") != "0" and dist.get_backend() == "gloo"
-            and platform.machine() in ("x86_64", "AMD64")
-            and os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size()))
+def shm_applies(group=None) -> bool:
+    """Shared memory needs gloo ranks that all live on this machine, and x86's store ordering: every rank of
+    ``group`` (default: the world) among this node's ranks, which torchrun (and ``tplab.launch``) number
+    contiguously: ``RANK - LOCAL_RANK`` and the next ``LOCAL_WORLD_SIZE - 1``. So under pipeline parallelism
+    over two machines each stage's TP group still uses it. ``TPLAB_SHM_COMM=0`` turns it off (the benchmarks
+    compare both paths)."""
+    if (os.environ.get("TPLAB_SHM_COMM", "1") == "0" or dist.get_backend() != "gloo"
+            or platform.machine() not in ("x86_64", "AMD64")):
+        return False
+    local_size, local_rank = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("LOCAL_RANK")
+    if local_size is None or local_rank is None:
+        return False
+    first = dist.get_rank() - int(local_rank)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    return all(first <= r < first + int(local_size) for r in ranks)

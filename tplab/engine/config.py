@@ -127,7 +127,7 @@ class EngineConfig:
     device: str | None = None          # None -> "cuda" where the ranks' backend is nccl (TP 1: a GPU), else "cpu"
     # paged KV cache and continuous batching
     block_size: int = 16               # tokens per KV block
-    num_kv_blocks: int | None = None   # None: as many as kv_cache_memory allows
+    num_kv_blocks: int | None = None   # None: as many as kv_cache_memory allows (under PP: split by p)
     kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: see engine.kv_cache_budget
     max_num_seqs: int = 16             # sequences in flight per step
     max_num_batched_tokens: int | None = None  # tokens per step (a longer prompt is prefilled in chunks);

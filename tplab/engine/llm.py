@@ -203,6 +203,8 @@ class LLM:
     def _check_lengths(self, token_lists, params):
         limit = self.config.hf_config.max_position_embeddings
         blocks, block_size = self.rank_info[0]["num_kv_blocks"], self.config.block_size
+        pp = self.config.pipeline_parallel_size
+        share = f" (for each of the {pp} batches in flight under pipeline parallelism)" if pp > 1 else ""
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             total = len(ids) + p.max_tokens
             if total > limit:
@@ -210,7 +212,7 @@ class LLM:
                                  f"{total} > max_position_embeddings {limit}: shorten the prompt or lower max_tokens")
             if -(-total // block_size) > blocks:  # it could never run, even alone: refuse instead of hanging
                 raise ValueError(f"prompt {i} needs {-(-total // block_size)} KV blocks of {block_size} tokens for "
-                                 f"{len(ids)} prompt tokens + max_tokens {p.max_tokens}, but the cache has {blocks}: "
+                                 f"{len(ids)} prompt tokens + max_tokens {p.max_tokens}, but the cache has {blocks}{share}: "
                                  "raise num_kv_blocks / kv_cache_memory, or shorten the prompt or max_tokens")
 
     def _decode(self, ids):

@@ -16,7 +16,7 @@ from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import KVCacheSpec, ModelRunner
-from tplab.engine.pipeline_loop import PipelineLoop
+from tplab.engine.pipeline_loop import PipelineLoop, check_stages
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
@@ -129,19 +129,24 @@ class LLMEngine:
         if cfg.check_finite:
             install_finite_check(self.model)
         stage, pp = self.model.stage, cfg.pipeline_parallel_size
+        if pp > 1:
+            check_stages(stage, cfg.hf_config.num_hidden_layers, cfg.tensor_parallel_size)
         spec = kv_cache_spec(cfg, num_layers=len(stage.kv_cache_layers))
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions, stage.kv_cache_layers, num_engines=pp)
         # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
-        self.schedulers = [Scheduler(cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size,
-                                                             cfg.enable_prefix_caching),
-                                     cfg.max_num_seqs, cfg.max_num_batched_tokens or default_batched_tokens(self.device),
-                                     eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
-                           for _ in range(pp)]
+        self.schedulers = [self._scheduler() for _ in range(pp)]
         self.scheduler, self.block_manager = self.schedulers[0], self.schedulers[0].block_manager
         self.pipeline = PipelineLoop(self.runner, self.schedulers, stage, cfg.hf_config.hidden_size,
                                      cfg.dtype) if pp > 1 else None
         self.num_steps = 0
+
+    def _scheduler(self) -> Scheduler:
+        """A scheduler with its own block manager over ``runner.num_blocks`` blocks."""
+        cfg = self.cfg
+        blocks = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        return Scheduler(blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens or default_batched_tokens(self.device),
+                         eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False) -> list[Sequence]:
         """Serve every prompt with continuous batching; returns the finished sequences in prompt order.

@@ -42,6 +42,27 @@ class Tick:
     end: float                     # after its send (or its sampling, on the last stage)
 
 
+def check_stages(stage, num_layers: int, tp_size: int) -> None:
+    """Every rank's ``Parts.pipeline_stage`` against the contract, before anything runs (a replacement that gets
+    it wrong would otherwise hang or compute silently wrong): the stages' ``layers`` are non-empty, contiguous, in
+    order and cover ``range(num_layers)``, only the first has the embedding and only the last the head."""
+    mine = (list(stage.layers), bool(stage.has_embedding), bool(stage.has_head))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    stages, end = every[::tp_size], 0                  # each stage's TP rank 0
+    for s, (layers, embedding, head) in enumerate(stages):
+        last = s == len(stages) - 1
+        if not layers or layers != list(range(end, end + len(layers))):
+            raise ValueError(f"pipeline stage {s} owns layers {layers}: each stage needs a non-empty run of "
+                             f"consecutive layers starting where the previous stage's ended (layer {end})")
+        if embedding != (s == 0) or head != last:
+            raise ValueError(f"pipeline stage {s} says has_embedding={embedding}, has_head={head}: only the first "
+                             "stage has the embedding, only the last the final norm and LM head")
+        end = layers[-1] + 1
+    if end != num_layers:
+        raise ValueError(f"the pipeline stages own layers 0..{end - 1} but the model has {num_layers}")
+
+
 class PipelineLoop:
     """Runs ``generate``'s requests through this rank's stage with p batches in flight."""
 

@@ -43,7 +43,8 @@ class PipelineStage:
     - ``has_embedding`` (the first stage) / ``has_head`` (the last: final norm and LM head): bools.
     - ``kv_cache_layers``: the layers this stage allocates a KV cache for (its own: ``layers``).
     - ``send(hidden, residual)``: start sending both ``(rows, E)`` tensors to the same TP rank of the next stage
-      and return at once; the next stage receives them in its next tick.
+      and return at once (``isend``): the next stage receives them in its next tick, after this tick ends on
+      every rank, so a blocking send (``dist.send``) of a prefill's tensors waits for ever (gloo: until the timeout).
     - ``recv(rows, hidden_size, dtype, device) -> (hidden, residual)``: wait for the previous stage's pair.
     """
 

@@ -31,7 +31,7 @@ from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.metadata import AttentionMetadata
 from tplab.layers.norm import RMSNorm
 from tplab.layers.rotary import RotaryEmbedding, rope_settings
-from tplab.models.pipeline import PPMissingLayer
+from tplab.models.pipeline import PipelineStage, PPMissingLayer
 
 
 def head_dim_of(config) -> int:
@@ -115,13 +115,16 @@ class Qwen2DecoderLayer(nn.Module):
 class Qwen2Model(nn.Module):
     def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False, stage=None):
         super().__init__()
+        stage = stage or PipelineStage(config.num_hidden_layers, 0, 1)   # default: the whole model
         self.tp_rank, self.tp_size, self.sequence_parallel, self.stage = tp_rank, tp_size, sequence_parallel, stage
         self.sp_norm_region = parts.sp_norm_region
         # an embedding that can return its partial lookups is reduce-scattered too; any other is all-reduced
         self.embed_partial = sequence_parallel and isinstance(parts.embedding, type) and \
             issubclass(parts.embedding, ReturnsPartialSums)
-        self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size,
-                                            **row_settings(self.embed_partial)) if stage.has_embedding else PPMissingLayer()
+        self.embed_tokens = PPMissingLayer()
+        if stage.has_embedding:
+            self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank,
+                                                tp_size=tp_size, **row_settings(self.embed_partial))
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config, parts, tp_rank, tp_size, sequence_parallel)
                                     if i in stage.layers else PPMissingLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.has_head else PPMissingLayer()
