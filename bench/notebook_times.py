@@ -70,7 +70,7 @@ def table(measured: dict, quoted: dict, column: str) -> list[str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("only", nargs="*", help="notebook number prefixes (00 ... 06); default: every notebook")
+    parser.add_argument("only", nargs="*", help="notebook number prefixes (00 ... 07); default: every notebook")
     parser.add_argument("--solutions", action="store_true", help="solution mode: TPLAB_SOLUTIONS=1")
     parser.add_argument("--nbval", action="store_true", help="time pytest + nbval per notebook, start included")
     args = parser.parse_args(argv)

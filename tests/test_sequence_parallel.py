@@ -122,7 +122,7 @@ def _reduce_scatter_both_paths():
     rank, n = dist.get_rank(), dist.get_world_size()
     x = torch.arange(6 * 3, dtype=torch.float32).view(6, 3) * (rank + 1)  # ranks hold x0, 2 x0
     shm = ps.reduce_scatter(x.clone(), n, dim=0)
-    group = ps._reduce_scatter(x.clone(), None, n, 0)               # the process group's path
+    group = ps._reduce_scatter(x.clone(), None, None, n, 0)         # the process group's path
     try:
         ps.reduce_scatter(torch.ones(5, 3), n, dim=0)
         error = ""

@@ -26,23 +26,27 @@ _HEADER = 4096
 
 
 class ShmComm:
-    """Collectives over a shared-memory segment that every rank of the default group maps."""
+    """Collectives over a shared-memory segment that every rank of ``group`` maps (the default group when
+    None; under pipeline parallelism, one stage's TP ranks). Ranks are numbered within the group."""
 
-    def __init__(self, timeout: float = 300.0):
-        self.rank, self.world_size, self.timeout = dist.get_rank(), dist.get_world_size(), timeout
-        self.group = dist.group.WORLD
-        name = [f"/dev/shm/tplab-{uuid.uuid4().hex}" if self.rank == 0 else None]
-        dist.broadcast_object_list(name, src=0)
+    def __init__(self, group=None, timeout: float = 300.0):
+        self.group = group or dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.timeout = timeout
+        # one segment per group: its first rank names it (a fresh uuid) and tells the others
+        first = dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0
+        name = [f"/dev/shm/tplab-r{first}-{uuid.uuid4().hex}" if self.rank == 0 else None]
+        dist.broadcast_object_list(name, group_src=0, group=self.group)
         size = _HEADER + 2 * self.world_size * SLOT_BYTES
         fd = os.open(name[0], os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if self.rank == 0:
                 os.ftruncate(fd, size)
-            dist.barrier()                         # the file has its size before anyone maps it
+            dist.barrier(group=self.group)         # the file has its size before anyone maps it
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        dist.barrier()                             # everyone has mapped it: the name can go
+        dist.barrier(group=self.group)             # everyone has mapped it: the name can go
         if self.rank == 0:
             os.unlink(name[0])                     # nothing is left in /dev/shm, even after a crash
         self._seqs = np.ndarray((self.world_size,), dtype=np.int64, buffer=self._mm)
@@ -95,9 +99,18 @@ class ShmComm:
         return total
 
 
-def shm_applies() -> bool:
-    """Shared memory needs gloo ranks that all live on this machine, and x86's store ordering.
-    ``TPLAB_SHM_COMM=0`` turns it off (the benchmarks compare both paths)."""
-    return (os.environ.get("TPLAB_SHM_COMM", "1") != "0" and dist.get_backend() == "gloo"
-            and platform.machine() in ("x86_64", "AMD64")
-            and os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size()))
+def shm_applies(group=None) -> bool:
+    """Shared memory needs gloo ranks that all live on this machine, and x86's store ordering: every rank of
+    ``group`` (default: the world) among this node's ranks, which torchrun (and ``tplab.launch``) number
+    contiguously: ``RANK - LOCAL_RANK`` and the next ``LOCAL_WORLD_SIZE - 1``. So under pipeline parallelism
+    over two machines each stage's TP group still uses it. ``TPLAB_SHM_COMM=0`` turns it off (the benchmarks
+    compare both paths)."""
+    if (os.environ.get("TPLAB_SHM_COMM", "1") == "0" or dist.get_backend() != "gloo"
+            or platform.machine() not in ("x86_64", "AMD64")):
+        return False
+    local_size, local_rank = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("LOCAL_RANK")
+    if local_size is None or local_rank is None:
+        return False
+    first = dist.get_rank() - int(local_rank)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    return all(first <= r < first + int(local_size) for r in ranks)

@@ -3,6 +3,8 @@ instead of letting NaN flow silently to the logits (where it shows up as token 0
 import torch
 from torch import nn
 
+from tplab.models.pipeline import PPMissingLayer
+
 
 class NonFiniteError(FloatingPointError):
     """An activation that is NaN or inf, reported at the first module (in forward order) that made it."""
@@ -12,8 +14,8 @@ def _watched(model: nn.Module) -> list[tuple[str, nn.Module]]:
     names = ["model.embed_tokens"]
     for i in range(len(model.model.layers)):
         names += [f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"model.layers.{i}"]
-    modules = dict(model.named_modules())
-    return [(n, modules[n]) for n in names + ["model.norm"]]
+    modules = dict(model.named_modules())   # under pipeline parallelism, only this stage's are there
+    return [(n, modules[n]) for n in names + ["model.norm"] if n in modules and not isinstance(modules[n], PPMissingLayer)]
 
 
 def install_finite_check(model: nn.Module) -> list:

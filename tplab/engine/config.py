@@ -63,6 +63,15 @@ def check_tp_size(config, tp_size: int) -> None:
                          f"{config.intermediate_size} is not divisible by {tp_size}. TP sizes that work: {sizes}")
 
 
+def check_pp_size(config, pp_size) -> None:
+    """A pipeline stage owns at least one layer: ``1 <= pipeline_parallel_size <= num_hidden_layers``."""
+    if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
+        raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pp_size!r}")
+    if pp_size > config.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size={pp_size} is more stages than the model's {config.num_hidden_layers} "
+                         f"layers (num_hidden_layers): every stage needs a layer; use at most {config.num_hidden_layers}")
+
+
 def resolve_dtype(dtype, config) -> torch.dtype:
     """``"float32"``/``"bfloat16"``/``"float16"``/a torch dtype, or ``"auto"`` for the checkpoint's own."""
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
@@ -108,6 +117,7 @@ class EngineConfig:
     """
     model: str                         # a checkpoint folder, or a hub id -> the local folder
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1    # stages, each a contiguous range of layers on its own TP ranks
     dtype: torch.dtype | str = "float32"  # a name, a torch dtype or "auto" -> the torch dtype
     seed: int = 0
     bugs: tuple[str, ...] = ()         # pitfalls by name (tplab.bugs.NAMES)
@@ -117,7 +127,7 @@ class EngineConfig:
     device: str | None = None          # None -> "cuda" where the ranks' backend is nccl (TP 1: a GPU), else "cpu"
     # paged KV cache and continuous batching
     block_size: int = 16               # tokens per KV block
-    num_kv_blocks: int | None = None   # None: as many as kv_cache_memory allows
+    num_kv_blocks: int | None = None   # None: as many as kv_cache_memory allows (under PP: split by p)
     kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: see engine.kv_cache_budget
     max_num_seqs: int = 16             # sequences in flight per step
     max_num_batched_tokens: int | None = None  # tokens per step (a longer prompt is prefilled in chunks);
@@ -145,6 +155,7 @@ def _resolved(cfg: EngineConfig) -> dict:
     model = str(resolve_model(cfg.model))
     hf = cfg.hf_config or load_qwen2_config(model)
     check_tp_size(hf, cfg.tensor_parallel_size)
+    check_pp_size(hf, cfg.pipeline_parallel_size)
     if not isinstance(cfg.seed, int):
         raise ValueError(f"seed must be an int, got {cfg.seed!r}")
     if isinstance(cfg.timeout, bool) or not isinstance(cfg.timeout, (int, float)) or not cfg.timeout > 0:
@@ -154,10 +165,15 @@ def _resolved(cfg: EngineConfig) -> dict:
     for name in ("num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
         if getattr(cfg, name) is not None:
             _positive_int(name, getattr(cfg, name))
+    pp = cfg.pipeline_parallel_size
+    if cfg.num_kv_blocks is not None and cfg.num_kv_blocks < pp:
+        raise ValueError(f"num_kv_blocks={cfg.num_kv_blocks} is shared by the {pp} batches in flight under "
+                         f"pipeline_parallel_size={pp}: give at least {pp}")
     bugs = (cfg.bugs,) if isinstance(cfg.bugs, str) else tuple(cfg.bugs or ())
     parts = resolve(bugs, cfg.parts)
     check_sequence_parallel(cfg.sequence_parallel, cfg.tensor_parallel_size, parts)
-    backend = dist.get_backend() if dist.is_initialized() else pick_backend(cfg.tensor_parallel_size, cfg.backend)
+    world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    backend = dist.get_backend() if dist.is_initialized() else pick_backend(world, cfg.backend)
     return dict(model=model, dtype=resolve_dtype(cfg.dtype, hf), hf_config=plain_config(hf), bugs=bugs,
                 parts=parts, backend=backend, device=_device(cfg, backend))
 
@@ -177,7 +193,7 @@ def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts) -> No
 def _device(cfg: EngineConfig, backend: str) -> str:
     if cfg.device is not None:
         return str(cfg.device)
-    if cfg.tensor_parallel_size == 1 and not dist.is_initialized():
+    if cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1 and not dist.is_initialized():
         return "cuda" if torch.cuda.is_available() else "cpu"
     return "cuda" if "nccl" in backend else "cpu"
 

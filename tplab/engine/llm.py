@@ -1,7 +1,7 @@
 """``LLM``: the user-facing engine, as in vLLM's offline API.
 
-TP 1 runs in this process. TP > 1 starts ``tensor_parallel_size`` rank processes
-with ``tplab.distributed.RankGroup``, each holding a ``Worker`` with the same engine; this
+TP 1 runs in this process. TP > 1 (or PP > 1) starts ``tensor_parallel_size x pipeline_parallel_size``
+rank processes with ``tplab.distributed.RankGroup``, each holding a ``Worker`` with the same engine; this
 process only tokenizes, checks input and collects rank 0's answer. Under ``torchrun`` (a
 process group already initialised) every rank runs the engine in-process.
 """
@@ -38,6 +38,16 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(folder)
 
 
+def check_world(tp: int, pp: int, world: int) -> None:
+    """Under torchrun the ranks are given: ``tensor_parallel_size x pipeline_parallel_size`` must be all of them."""
+    if tp * pp != world:
+        hint = (f"pass tensor_parallel_size={world}" if pp == 1 else
+                f"pass sizes whose product is {world}, e.g. tensor_parallel_size={world // pp} with "
+                f"pipeline_parallel_size={pp}" if world % pp == 0 else f"pass sizes whose product is {world}")
+        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} ranks, but the "
+                         f"process group has {world} ranks: {hint} under torchrun")
+
+
 class LLM:
     """A tensor-parallel Qwen2 engine over a local HF checkpoint folder.
 
@@ -52,16 +62,14 @@ class LLM:
         self.timeout = self.config.timeout
         self._group = self._worker = None
         self._why_down = ""
-        tp = self.config.tensor_parallel_size
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
         if dist.is_initialized():                       # torchrun: this process is one of the ranks
-            if dist.get_world_size() != tp:
-                raise ValueError(f"tensor_parallel_size={tp} but the process group has {dist.get_world_size()} "
-                                 f"ranks: pass tensor_parallel_size={dist.get_world_size()} under torchrun")
+            check_world(tp, pp, dist.get_world_size())
             self._worker = Worker(self.config)
-        elif tp == 1:                                   # one rank: this process
+        elif tp * pp == 1:                              # one rank: this process
             self._worker = Worker(self.config)
-        else:
-            self._group = RankGroup(tp, backend=self.config.backend, timeout=self.timeout)
+        else:                                           # t x p ranks: stage s holds world ranks s*t .. s*t+t-1
+            self._group = RankGroup(tp * pp, backend=self.config.backend, timeout=self.timeout)
         try:
             if self._group is not None:
                 self._group.create(Worker, (self.config,), timeout=self.timeout)
@@ -114,6 +122,23 @@ class LLM:
         """Cache and scheduler counters of rank 0: num_preemptions, prefix_cache_hit_blocks,
         peak_kv_blocks_used, num_kv_blocks, kv_cache_bytes, ... (cumulative over generate calls)."""
         return self._call("stats")
+
+    def pipeline_timeline(self) -> list[list[dict]]:
+        """Under pipeline parallelism, each stage's ticks in the last ``generate`` (from its TP rank 0), in stage
+        order: dicts with ``tick``, ``stage``, ``virtual_engine`` (None: idle), ``num_tokens`` and the seconds
+        ``start`` (the tick began), ``busy`` (its input had arrived) and ``end``, counted from the first tick's
+        start. Empty lists without PP. Under torchrun every rank must call it (it gathers)."""
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if self._group is not None:
+            ranks = self._group.call("timeline", timeout=self.timeout)
+        elif dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, self._call("timeline"))
+        else:
+            ranks = [self._call("timeline")]
+        stages = [ranks[s * tp] for s in range(pp)]
+        t0 = min((t["start"] for ticks in stages for t in ticks), default=0.0)
+        return [[{**t, **{k: t[k] - t0 for k in ("start", "busy", "end")}} for t in ticks] for ticks in stages]
 
     def _call(self, method: str, *args):
         """``Worker.<method>(*args)`` on every rank (or on this process's worker); rank 0's answer."""
@@ -178,6 +203,8 @@ class LLM:
     def _check_lengths(self, token_lists, params):
         limit = self.config.hf_config.max_position_embeddings
         blocks, block_size = self.rank_info[0]["num_kv_blocks"], self.config.block_size
+        pp = self.config.pipeline_parallel_size
+        share = f" (for each of the {pp} batches in flight under pipeline parallelism)" if pp > 1 else ""
         for i, (ids, p) in enumerate(zip(token_lists, params)):
             total = len(ids) + p.max_tokens
             if total > limit:
@@ -185,7 +212,7 @@ class LLM:
                                  f"{total} > max_position_embeddings {limit}: shorten the prompt or lower max_tokens")
             if -(-total // block_size) > blocks:  # it could never run, even alone: refuse instead of hanging
                 raise ValueError(f"prompt {i} needs {-(-total // block_size)} KV blocks of {block_size} tokens for "
-                                 f"{len(ids)} prompt tokens + max_tokens {p.max_tokens}, but the cache has {blocks}: "
+                                 f"{len(ids)} prompt tokens + max_tokens {p.max_tokens}, but the cache has {blocks}{share}: "
                                  "raise num_kv_blocks / kv_cache_memory, or shorten the prompt or max_tokens")
 
     def _decode(self, ids):

@@ -2,21 +2,26 @@
 
 Every rank runs the same scheduler on the same requests with the same number of KV
 blocks (SPMD), so they make the same decisions step for step; the only
-communication is inside the model's collectives.
+communication is inside the model's collectives (and, under pipeline parallelism,
+between stages: ``tplab.engine.pipeline_loop``).
 """
+import dataclasses
+
 import psutil
 import torch
 import torch.distributed as dist
 
-from tplab.distributed.parallel_state import init_tp_comm, tp_rank_and_size
+from tplab.distributed.parallel_state import init_model_parallel, pp_rank_and_size, tp_rank_and_size
 from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import KVCacheSpec, ModelRunner
+from tplab.engine.pipeline_loop import PipelineLoop, check_stages
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
-from tplab.models.loader import LoadReport
+from tplab.models.loader import LoadReport, checkpoint_names
+from tplab.models.pipeline import other_stages_names
 from tplab.layers.attention import kv_cache_shape
 from tplab.layers.cpu_gemm import Gemm, process_weights_after_loading
 from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
@@ -33,47 +38,53 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     checkpoint and processed for the config's GEMM (``tplab.layers.cpu_gemm``; ``pack=False`` keeps every
     weight readable); and what the load read. ``tp_rank``/``tp_size`` default to the process group's."""
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
-    if tp_size != cfg.tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} but the process group has "
-                         f"{tp_size} ranks")
+    pp_rank, pp_size = pp_rank_and_size()
+    if (tp_size, pp_size) != (cfg.tensor_parallel_size, cfg.pipeline_parallel_size):
+        raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} x pipeline_parallel_size="
+                         f"{cfg.pipeline_parallel_size}, but this rank's group has {tp_size} TP ranks x {pp_size} stages")
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(cfg.dtype)  # parameters are created in the target dtype, on the device
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(cfg.hf_config, cfg.parts, tp_rank, tp_size, cfg.sequence_parallel)
+            model = Qwen2ForCausalLM(cfg.hf_config, cfg.parts, tp_rank, tp_size, cfg.sequence_parallel, pp_rank, pp_size)
     finally:
         torch.set_default_dtype(default_dtype)
     # HF omits a tied lm_head.weight when saving; some checkpoints keep it anyway.
     skip = frozenset({"lm_head.weight"}) if cfg.hf_config.tie_word_embeddings else frozenset()
+    if pp_size > 1:   # the other stages' tensors are theirs to read
+        skip |= other_stages_names(model, checkpoint_names(cfg.model))
     report = cfg.parts.load_weights(model, cfg.model, skip=skip)
     process_weights_after_loading(model, Gemm.choose(cfg.onednn, cfg.pack_weights and pack))
     return model.eval(), report
 
 
-def kv_cache_spec(cfg: EngineConfig, block_size: int | None = None) -> KVCacheSpec:
-    """One rank's KV cache layout, from the config and the attention part's ``kv_cache_shape``."""
+def kv_cache_spec(cfg: EngineConfig, block_size: int | None = None, num_layers: int | None = None) -> KVCacheSpec:
+    """One rank's KV cache layout, from the config and the attention part's ``kv_cache_shape``, for
+    ``num_layers`` layers (default: all; a pipeline stage: those it keeps a cache for)."""
     hf = cfg.hf_config
     heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
     block_size = block_size or cfg.block_size
     block_shape = kv_cache_shape(cfg.parts.attention, 1, block_size, heads, kv_heads, head_dim_of(hf))[1:]
-    return KVCacheSpec(hf.num_hidden_layers, block_size, block_shape, cfg.dtype)
+    return KVCacheSpec(num_layers or hf.num_hidden_layers, block_size, block_shape, cfg.dtype)
 
 
-def kv_cache_budget(device: torch.device, tp_size: int) -> int:
+def kv_cache_budget(device: torch.device, num_ranks: int) -> int:
     """Default bytes for one rank's KV cache, as vLLM sizes it: 90% of the GPU memory left after the
     weights; on CPU a tenth of the available RAM shared by the ranks, at most 4 GiB."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)
-    return min(psutil.virtual_memory().available // 10 // tp_size, 4 << 30)
+    return min(psutil.virtual_memory().available // 10 // num_ranks, 4 << 30)
 
 
 def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """Blocks for this rank: from ``num_kv_blocks`` or the memory budget, never more than
-    ``max_num_seqs`` sequences of ``max_position_embeddings`` tokens can use, and the same on every rank."""
-    if cfg.num_kv_blocks is not None:
-        return cfg.num_kv_blocks
-    budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.tensor_parallel_size)
+    """Blocks for each batch in flight on this rank (one batch, or one per pipeline stage, each with its own
+    share): from ``num_kv_blocks`` or the memory budget, never more than ``max_num_seqs`` sequences of
+    ``max_position_embeddings`` tokens can use, and the same on every rank."""
+    pp = cfg.pipeline_parallel_size
+    if cfg.num_kv_blocks is not None:       # at least pp: engine.config checks
+        return cfg.num_kv_blocks // pp
+    budget = (cfg.kv_cache_memory or kv_cache_budget(device, cfg.tensor_parallel_size * pp)) // pp
     useful = cfg.max_num_seqs * -(-cfg.hf_config.max_position_embeddings // cfg.block_size)
     blocks = torch.tensor(min(budget // spec.bytes_per_block(), useful))
     if dist.is_initialized():  # ranks must agree, or their schedulers would diverge
@@ -112,47 +123,69 @@ class LLMEngine:
         self.cfg, self.device = cfg, torch.device(device)
         if self.device.type == "cpu" and cfg.malloc_tune:
             keep_freed_memory()            # activations reuse mapped pages instead of faulting in new ones
-        if dist.is_initialized():
-            init_tp_comm()                 # under torchrun; a rank from tplab.launch has done it already
+        if dist.is_initialized():          # the stages' TP groups (at PP 1 the world, as launch has done)
+            init_model_parallel(cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
         self.model, self.load_report = build_model(cfg, self.device)
         if cfg.check_finite:
             install_finite_check(self.model)
-        spec = kv_cache_spec(cfg)
+        stage, pp = self.model.stage, cfg.pipeline_parallel_size
+        if pp > 1:
+            check_stages(stage, cfg.hf_config.num_hidden_layers, cfg.tensor_parallel_size)
+        spec = kv_cache_spec(cfg, num_layers=len(stage.kv_cache_layers))
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
-                                  cfg.parts.positions)
-        self.block_manager = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size,
-                                                     cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens or default_batched_tokens(self.device),
-                                   eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
+                                  cfg.parts.positions, stage.kv_cache_layers, num_engines=pp)
+        # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
+        self.schedulers = [self._scheduler() for _ in range(pp)]
+        self.scheduler, self.block_manager = self.schedulers[0], self.schedulers[0].block_manager
+        self.pipeline = PipelineLoop(self.runner, self.schedulers, stage, cfg.hf_config.hidden_size,
+                                     cfg.dtype) if pp > 1 else None
         self.num_steps = 0
+
+    def _scheduler(self) -> Scheduler:
+        """A scheduler with its own block manager over ``runner.num_blocks`` blocks."""
+        cfg = self.cfg
+        blocks = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        return Scheduler(blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens or default_batched_tokens(self.device),
+                         eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False) -> list[Sequence]:
         """Serve every prompt with continuous batching; returns the finished sequences in prompt order.
         ``use_tqdm``: rank 0 draws a progress bar on stderr (the driver's, which the ranks share)."""
         seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, (p, sp) in enumerate(zip(prompts, params))]
         bar = Progress(seqs) if use_tqdm and (not dist.is_initialized() or dist.get_rank() == 0) else None
-        for seq in seqs:
-            self.scheduler.add(seq)
         self.runner.metadata.clear()           # sequence ids start again at 0 in every call
-        while self.scheduler.has_work():
-            batch = self.scheduler.schedule()
-            for seq in self.scheduler.postprocess(batch, self.runner.step(batch)):
-                self.runner.forget(seq)
-                if bar is not None:
-                    bar.finished(seq)
-            self.num_steps += 1
+        if self.pipeline is not None:          # pipeline parallel: several batches in flight
+            self.num_steps += self.pipeline.run(seqs, lambda seq: self._finished(seq, bar))
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
+            while self.scheduler.has_work():
+                batch = self.scheduler.schedule()
+                for seq in self.scheduler.postprocess(batch, self.runner.step(batch)):
+                    self._finished(seq, bar)
+                self.num_steps += 1
         if bar is not None:
             bar.close()
         return seqs
 
+    def _finished(self, seq: Sequence, bar: Progress | None) -> None:
+        self.runner.forget(seq)
+        if bar is not None:
+            bar.finished(seq)
+
     def stats(self) -> dict:
-        bm = self.block_manager
-        return {"num_preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_hit_blocks": bm.prefix_cache_hit_blocks,
-                "peak_kv_blocks_used": bm.peak_blocks_used, "num_kv_blocks": bm.num_blocks,
-                "kv_blocks_in_use": bm.num_used_blocks, "block_size": self.cfg.block_size,
+        """This rank's counters, summed over the schedulers (one per batch in flight under PP)."""
+        total = lambda attr, of: sum(getattr(of(s), attr) for s in self.schedulers)
+        bm = lambda s: s.block_manager
+        return {"num_preemptions": total("num_preemptions", lambda s: s),
+                "prefix_cache_hit_blocks": total("prefix_cache_hit_blocks", bm),
+                "peak_kv_blocks_used": total("peak_blocks_used", bm), "num_kv_blocks": total("num_blocks", bm),
+                "kv_blocks_in_use": total("num_used_blocks", bm), "block_size": self.cfg.block_size,
                 "kv_cache_bytes": self.runner.kv_cache_bytes(), "num_steps": self.num_steps}
+
+    def timeline(self) -> list[dict]:
+        """This rank's ticks of the last ``generate`` under pipeline parallelism (``PipelineLoop.timeline``)."""
+        return [] if self.pipeline is None else [dataclasses.asdict(t) for t in self.pipeline.timeline]
 
     def _generator(self, index: int, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:

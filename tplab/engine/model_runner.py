@@ -47,30 +47,58 @@ def kv_cache_bytes(kv_caches) -> int:
     return sum(t.numel() * t.element_size() for kv in kv_caches for t in kv)
 
 
-class ModelRunner:
-    """Owns the model shard and its KV cache on one rank; ``step`` runs prefill chunks and decodes alike."""
+def spread(caches: list, layers, num_layers: int) -> list:
+    """The caches of ``layers`` (global layer indices) at their places in a list of ``num_layers``; None
+    for the layers another pipeline stage owns."""
+    placed = [None] * num_layers
+    for i, kv in zip(layers, caches):
+        placed[i] = kv
+    return placed
 
-    def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions=token_positions):
+
+class ModelRunner:
+    """Owns the model shard and its KV cache on one rank; ``step`` runs prefill chunks and decodes alike.
+
+    ``kv_layers`` (default: every layer) are the layers this rank keeps a cache for (a pipeline stage's own), and
+    ``num_engines`` the batches in flight under pipeline parallelism, each with its own ``num_blocks`` blocks
+    (``kv_caches_of[v]``); ``kv_caches[i]`` is layer i's cache of the first, the only one without PP."""
+
+    def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions=token_positions,
+                 kv_layers=None, num_engines: int = 1):
         self.model, self.spec, self.device = model, spec, torch.device(device)
         self.positions = positions                  # Parts.positions: a step's token positions
         self.num_blocks = num_blocks
-        self.kv_caches = spec.allocate(num_blocks, self.device)
+        kv_layers = range(spec.num_layers) if kv_layers is None else kv_layers
+        num_layers = max(spec.num_layers, max(kv_layers, default=-1) + 1)
+        self.kv_caches_of = [spread(spec.allocate(num_blocks, self.device), kv_layers, num_layers)
+                             for _ in range(num_engines)]
+        self.kv_caches = self.kv_caches_of[0]
         self.metadata = MetadataBuilder(spec.block_size, self.device)
 
     def kv_cache_bytes(self) -> int:
-        return kv_cache_bytes(self.kv_caches)
+        return sum(kv_cache_bytes([kv for kv in caches if kv is not None]) for caches in self.kv_caches_of)
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[tuple[int, float] | None]:
         """Run the scheduled batch: feed each sequence its ``num_new_tokens`` next tokens, and sample one
         token for each whose tokens are then all cached. Returns ``[(token, logprob)]``, None for a prompt
         chunk that is not the last. Changes no sequence: ``Scheduler.postprocess`` records the step."""
+        input_ids, meta = self.prepare(seqs)
+        hidden = self.model(input_ids, self.kv_caches, meta)                                          # (T, E)
+        return self.sample(seqs, meta, hidden)
+
+    def prepare(self, seqs: list[Sequence]):
+        """A step's token ids ``(T,)`` and its attention metadata."""
         meta = self.metadata.build([s.num_new_tokens for s in seqs],
                                    [s.num_cached_tokens + s.num_new_tokens for s in seqs],
                                    [s.block_table for s in seqs], [p for s in seqs for p in self.positions(s)],
                                    [s.seq_id for s in seqs])
         input_ids = torch.tensor([t for s in seqs for t in s.new_token_ids()], device=self.device)   # (T,)
-        hidden = self.model(input_ids, self.kv_caches, meta)                                           # (T, E)
+        return input_ids, meta
+
+    def sample(self, seqs: list[Sequence], meta, hidden: torch.Tensor) -> list[tuple[int, float] | None]:
+        """From the final hidden states ``(T, E)``: ``(token, logprob)`` for each sequence whose tokens are
+        then all cached, None for the others."""
         done = [b for b, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_new_tokens == len(seq)]
         out: list[tuple[int, float] | None] = [None] * len(seqs)
         if not done:

@@ -1,8 +1,8 @@
 """The one place where the engine's replaceable parts are chosen.
 
 An engine is built from a ``Parts``: the layer classes and functions its Qwen2 model is made of,
-the function that gives a step's tokens their positions, the checkpoint loader and the block
-manager. ``resolve(bugs, parts)`` starts from tplab's own, swaps in the named pitfalls
+the function that gives a step's tokens their positions, the checkpoint loader, the block
+manager and the pipeline stage. ``resolve(bugs, parts)`` starts from tplab's own, swaps in the named pitfalls
 (``LLM(bugs=[...])``, found by name in ``tplab.teaching.bugs``) and a learner's own parts
 (``LLM(parts={...})``), and refuses two replacements of the same field. It runs once, in the
 process that creates the ``LLM``; the resolved ``Parts`` travels to every rank inside the
@@ -20,6 +20,8 @@ from tplab.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tplab.layers.rotary import apply_rotary
 from tplab.models.loader import load_weights
+from tplab.models.pipeline import PipelineStage
+from tplab.models.sequence_parallel import SequenceParallelNormRegion
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class Parts:
     positions: Callable = token_positions           # the positions of the tokens a step feeds
     load_weights: Callable = load_weights           # checkpoint -> this rank's parameters
     block_manager: type = BlockManager              # which KV blocks each sequence holds
+    sp_norm_region: type = SequenceParallelNormRegion   # sequence parallel: reduce-scatter, + residual, norm, gather
+    pipeline_stage: type = PipelineStage            # a stage's layers, and what crosses to the next stage
 
     def replaced(self) -> dict[str, object]:
         """The fields that differ from tplab's own parts."""

@@ -33,3 +33,6 @@ class Worker:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def timeline(self) -> list[dict]:
+        return self.engine.timeline()

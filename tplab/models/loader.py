@@ -75,17 +75,34 @@ def default_weight_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
     copy_into(param.data, loaded)
 
 
-def expected_checkpoint_names(model: nn.Module) -> set[str]:
-    """The tensor names an HF checkpoint must have for ``model``: fused parameters unpacked."""
+def checkpoint_names(model_dir) -> set[str]:
+    """Every tensor name in the checkpoint's files (read from their headers only)."""
     names = set()
+    for path in checkpoint_files(model_dir):
+        try:
+            with safe_open(path, framework="pt") as f:
+                names.update(f.keys())
+        except Exception as e:  # a truncated or corrupt file
+            raise CheckpointError(f"cannot read {path}: {e}") from None
+    return names
+
+
+def expected_checkpoint_names(model: nn.Module) -> set[str]:
+    """The tensor names an HF checkpoint must have for ``model``: fused parameters unpacked, aliased
+    parameters (``model.weight_aliases``: a pipeline's last stage's tied head) under the checkpoint's name."""
+    names, alias_of = set(), {v: k for k, v in getattr(model, "weight_aliases", {}).items()}
     for name, _ in model.named_parameters():  # a tied lm_head shares embed_tokens and is not listed
+        if name in alias_of:
+            names.add(alias_of[name])
+            continue
         packed = [(src, dst) for src, (dst, _) in model.packed_modules_mapping.items() if f".{dst}." in name]
         names.update(name.replace(f".{dst}.", f".{src}.") for src, dst in packed) if packed else names.add(name)
     return names
 
 
 def param_for(model: nn.Module, name: str) -> tuple[str, object]:
-    """Checkpoint name -> (parameter name, shard id) through ``packed_modules_mapping``."""
+    """Checkpoint name -> (parameter name, shard id) through ``weight_aliases`` and ``packed_modules_mapping``."""
+    name = getattr(model, "weight_aliases", {}).get(name, name)
     for src, (dst, shard_id) in model.packed_modules_mapping.items():
         if f".{src}." in name:
             return name.replace(f".{src}.", f".{dst}."), shard_id

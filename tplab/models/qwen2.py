@@ -15,6 +15,10 @@ residual stream between layers holds this rank's T/t tokens (``tplab.models.sequ
              -> gate_up_proj ... down_proj (partial sums) -> reduce-scatter (T/t, E) -> + residual
 and the final norm runs on T/t tokens before one all-gather hands the LM head all T.
 
+With pipeline parallelism (``tplab.models.pipeline``) this rank builds only its stage's layers (the others
+are ``PPMissingLayer``), the embedding on the first stage, the norm and LM head on the last, and runs
+``Qwen2Model.forward_stage``: from the ids or the previous stage's ``(hidden, residual)`` to the pair it sends.
+
 The layers come from ``parts`` (``tplab.engine.parts.Parts``): tplab's own, or a pitfall's or a
 learner's replacements, each built with the same arguments and called the same way.
 """
@@ -27,7 +31,7 @@ from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.metadata import AttentionMetadata
 from tplab.layers.norm import RMSNorm
 from tplab.layers.rotary import RotaryEmbedding, rope_settings
-from tplab.models.sequence_parallel import TokenSplit
+from tplab.models.pipeline import PipelineStage, PPMissingLayer
 
 
 def head_dim_of(config) -> int:
@@ -94,36 +98,77 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = Qwen2MLP(config, parts, tp_rank, tp_size, sequence_parallel)
 
-    def forward(self, x, kv_cache, meta, split: TokenSplit | None = None):
-        if split is not None:   # sequence parallel: x is this rank's (T_pad / t, E) tokens
-            x = x + split.scatter_sum(self.self_attn(split.gather(self.input_layernorm(x)), kv_cache, meta))
-            return x + split.scatter_sum(self.mlp(split.gather(self.post_attention_layernorm(x))))
+    def forward(self, x, kv_cache, meta, sp=None):
+        hidden, residual = self.forward_unsummed(x, kv_cache, meta, sp)
+        return residual + hidden
+
+    def forward_unsummed(self, x, kv_cache, meta, sp=None):
+        """``(hidden, residual)``: the MLP's output and the residual stream it is added to, whose sum
+        ``forward`` returns. A pipeline stage's last layer sends this pair to the next stage (vLLM's)."""
+        if sp is not None:      # sequence parallel (a Parts.sp_norm_region): x is this rank's (T_pad / t, E) tokens
+            x = sp.add(self.self_attn(sp.norm_gather(x, self.input_layernorm), kv_cache, meta), x)
+            return sp.add(self.mlp(sp.norm_gather(x, self.post_attention_layernorm))), x
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x)), x
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False, stage=None):
         super().__init__()
-        self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
+        stage = stage or PipelineStage(config.num_hidden_layers, 0, 1)   # default: the whole model
+        self.tp_rank, self.tp_size, self.sequence_parallel, self.stage = tp_rank, tp_size, sequence_parallel, stage
+        self.sp_norm_region = parts.sp_norm_region
         # an embedding that can return its partial lookups is reduce-scattered too; any other is all-reduced
         self.embed_partial = sequence_parallel and isinstance(parts.embedding, type) and \
             issubclass(parts.embedding, ReturnsPartialSums)
-        self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size,
-                                            **row_settings(self.embed_partial))
+        self.embed_tokens = PPMissingLayer()
+        if stage.has_embedding:
+            self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank,
+                                                tp_size=tp_size, **row_settings(self.embed_partial))
         self.layers = nn.ModuleList(Qwen2DecoderLayer(config, parts, tp_rank, tp_size, sequence_parallel)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+                                    if i in stage.layers else PPMissingLayer() for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.has_head else PPMissingLayer()
+
+    def _region(self, num_tokens: int):
+        """This step's sequence-parallel region (a ``Parts.sp_norm_region``), or None without SP."""
+        return self.sp_norm_region(num_tokens, self.tp_rank, self.tp_size) if self.sequence_parallel else None
+
+    def _embed(self, input_ids, sp):
+        x = self.embed_tokens(input_ids)                            # (T, E): full, or SP's partial lookups
+        if sp is not None:                                          # -> (T_pad / t, E): this rank's tokens
+            x = sp.add(x) if self.embed_partial else sp.local(x)
+        return x
 
     def forward(self, input_ids, kv_caches, meta):
-        x = self.embed_tokens(input_ids)                            # (T, E): full, or SP's partial lookups
-        split = TokenSplit(x.shape[0], self.tp_rank, self.tp_size) if self.sequence_parallel else None
-        if split is not None:                                       # -> (T_pad / t, E): this rank's tokens
-            x = split.scatter_sum(x) if self.embed_partial else split.local(x)
+        sp = self._region(input_ids.shape[0])
+        x = self._embed(input_ids, sp)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, kv_cache, meta, split)
-        x = self.norm(x)
-        return x if split is None else split.gather(x)              # (T, E) for the LM head
+            x = layer(x, kv_cache, meta, sp)
+        return self.norm(x) if sp is None else sp.norm_gather(x, self.norm)   # (T, E) for the LM head
+
+    def boundary_rows(self, num_tokens: int) -> int:
+        """Rows of the ``(hidden, residual)`` a stage sends for a step of ``num_tokens`` tokens: all of them,
+        or this rank's T / t (padded) under sequence parallelism."""
+        return -(-num_tokens // self.tp_size) if self.sequence_parallel else num_tokens
+
+    def forward_stage(self, input_ids, received, kv_caches, meta):
+        """This pipeline stage's share of ``forward``. ``input_ids`` ``(T,)``: the step's tokens (every stage
+        knows them; the first embeds them); ``received``: the previous stage's ``(hidden, residual)``, None on
+        the first stage; ``kv_caches[i]``: layer i's cache. Returns ``(hidden, residual)`` for the next stage,
+        or on the last stage the final hidden states ``(T, E)`` for the LM head."""
+        sp, layers = self._region(input_ids.shape[0]), self.stage.layers
+        if received is None:
+            x = self._embed(input_ids, sp)
+        else:
+            hidden, residual = received
+            x = residual + hidden                                   # the previous stage's last add, as it would be
+        for i in layers[:-1]:
+            x = self.layers[i](x, kv_caches[i], meta, sp)
+        last = self.layers[layers[-1]]
+        if not self.stage.has_head:
+            return last.forward_unsummed(x, kv_caches[layers[-1]], meta, sp)   # (rows, E) twice
+        x = last(x, kv_caches[layers[-1]], meta, sp)
+        return self.norm(x) if sp is None else sp.norm_gather(x, self.norm)
 
 
 def tie_weights(lm_head: nn.Module, embedding: nn.Module) -> None:
@@ -147,15 +192,22 @@ class Qwen2ForCausalLM(nn.Module):
     }
 
     def __init__(self, config, parts, tp_rank: int | None = None, tp_size: int | None = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1):
         super().__init__()
         tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
         self.sequence_parallel = sequence_parallel and tp_size > 1   # at TP 1 there is nothing to split
-        self.model = Qwen2Model(config, parts, tp_rank, tp_size, self.sequence_parallel)
+        self.stage = parts.pipeline_stage(config.num_hidden_layers, pp_rank, pp_size, tp_rank, tp_size)
+        self.model = Qwen2Model(config, parts, tp_rank, tp_size, self.sequence_parallel, self.stage)
+        self.weight_aliases = {}  # checkpoint name -> parameter name, where they differ (a tied head below)
+        if not self.stage.has_head:
+            self.lm_head = PPMissingLayer()
+            return
         self.lm_head = parts.lm_head(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
-        if config.tie_word_embeddings:  # one tensor for both: the head uses the embedding's rows
+        if config.tie_word_embeddings and self.stage.has_embedding:  # one tensor for both: the embedding's rows
             tie_weights(self.lm_head, self.model.embed_tokens)
+        elif config.tie_word_embeddings:   # the last stage has no embedding: its head reads the embedding's tensor
+            self.weight_aliases["model.embed_tokens.weight"] = "lm_head.weight"
 
     def forward(self, input_ids: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids ``(T,)`` -> final hidden states ``(T, E)``."""

@@ -9,7 +9,12 @@ followed by an all-gather, so the two halves can sit on either side of that toke
 
 The same bytes cross the link as with the all-reduce; the residual stream and the norms hold and
 compute 1/t of the tokens. A step's T tokens are padded to a multiple of t (zero rows, which no
-attention sees and which are dropped after the last all-gather), so any T works, a single decode included.
+attention sees and which are dropped by every all-gather), so any T works, a single decode included.
+
+``SequenceParallelNormRegion`` is that region, the engine's ``Parts.sp_norm_region``: one is built per
+step, ``cls(num_tokens, tp_rank, tp_size)``, and the model calls ``add`` after each row-parallel layer
+and ``norm_gather`` before each column-parallel one (``tplab.models.qwen2``). A learner's replacement
+keeps these three methods.
 """
 import torch
 import torch.nn.functional as F
@@ -17,7 +22,7 @@ import torch.nn.functional as F
 from tplab.distributed.parallel_state import all_gather, reduce_scatter
 
 
-class TokenSplit:
+class SequenceParallelNormRegion:
     """How one step's ``num_tokens`` tokens split over ``tp_size`` ranks: rank r holds rows
     ``[r * per_rank, (r + 1) * per_rank)`` of the tokens padded to ``padded = per_rank * tp_size``."""
 
@@ -33,10 +38,13 @@ class TokenSplit:
         """``(T, E)``, the same on every rank -> ``(T_pad / t, E)``, this rank's tokens (no communication)."""
         return self._pad(full).narrow(0, self.tp_rank * self.per_rank, self.per_rank)
 
-    def scatter_sum(self, partial: torch.Tensor) -> torch.Tensor:
-        """``(T, E)`` partial sums of a row-parallel layer -> ``(T_pad / t, E)``: this rank's tokens, summed."""
-        return reduce_scatter(self._pad(partial), self.tp_size, dim=0)
+    def add(self, partial: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``(T, E)`` partial sums of a row-parallel layer (or the embedding's partial lookups) -> their sum
+        over ranks on this rank's ``(T_pad / t, E)`` tokens, plus ``residual`` (those tokens) when given."""
+        summed = reduce_scatter(self._pad(partial), self.tp_size, dim=0)   # (T_pad / t, E)
+        return summed if residual is None else residual + summed
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """``(T_pad / t, E)`` on each rank -> ``(T, E)``: every rank's tokens in order, padding dropped."""
-        return all_gather(local, self.tp_size, dim=0)[:self.num_tokens]
+    def norm_gather(self, x: torch.Tensor, norm) -> torch.Tensor:
+        """``(T_pad / t, E)`` this rank's residual stream -> ``norm`` on those tokens -> all-gathered in rank
+        order, padding dropped: ``(T, E)``, the input of the next column-parallel layer (or the LM head)."""
+        return all_gather(norm(x), self.tp_size, dim=0)[:self.num_tokens]

@@ -3,7 +3,8 @@
 Both models use HF's module names (``model.layers.3.self_attn`` ...), so one list of
 names addresses both. Activations are taken for one prompt in one prefill, as
 ``(T, E)`` tensors (logits ``(T, vocab)``); at TP > 1 tplab's come from rank 0,
-after the all-reduces, so they are full-width and comparable with HF's. How close is close enough is
+after the all-reduces, so they are full-width and comparable with HF's (under sequence parallelism
+after gathering every rank's tokens and summing the partial sums, ``all_tokens``). How close is close enough is
 ``tplab.teaching.tolerance``'s: relative to each activation's size and the dtype's rounding.
 """
 from dataclasses import dataclass
@@ -38,23 +39,77 @@ def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor
 
 
 def rank_activations(model_dir, input_ids: list[int], tensor_parallel_size: int = 1, bugs=(), parts=None,
-                     dtype: str = "float32") -> dict[str, torch.Tensor] | None:
+                     dtype: str = "float32", sequence_parallel: bool = False) -> dict[str, torch.Tensor] | None:
     """Inside a rank (or in-process at TP 1): build this rank's shard, prefill ``input_ids`` once with
     hooks, and return the activations on rank 0 (None elsewhere). For ranks that already exist, e.g.
-    ``RankGroup.run(golden.rank_activations, (model_dir, ids, 2))``."""
+    ``RankGroup.run(golden.rank_activations, (model_dir, ids, 2))``. Under ``sequence_parallel`` every
+    activation is first brought back to all T tokens, summed where it is a partial sum (``all_tokens``)."""
     model = load_model(model_dir, tensor_parallel_size, bugs=bugs, parts=parts, dtype=dtype,
-                       device=rank_device())
+                       device=rank_device(), sequence_parallel=sequence_parallel)
     out = probe(model, input_ids, outputs_of=activation_names(len(model.model.layers))[:-1])
-    return {**out.outputs, "logits": out.logits.float().cpu()} if model.tp_rank == 0 else None
+    acts = {**out.outputs, "logits": out.logits.float().cpu()}
+    if model.sequence_parallel:
+        acts = all_tokens(model, acts, len(input_ids))
+    return acts if model.tp_rank == 0 else None
+
+
+def all_tokens(model, acts: dict[str, torch.Tensor], num_tokens: int) -> dict[str, torch.Tensor]:
+    """One SP rank's activations -> what plain TP's rank 0 holds (a collective: every rank calls it). Under
+    SP a rank's hooks see its own ceil(T / t) tokens of the residual stream and the norms (all-gathered here,
+    padding dropped), and the partial sums of o_proj, down_proj and a ReturnsPartialSums embedding (summed)."""
+    from tplab.distributed.parallel_state import all_gather, all_reduce
+    partial = {"self_attn", "mlp"} | ({"embed_tokens"} if model.model.embed_partial else set())
+    out = {}
+    for name, a in acts.items():
+        if name.split(".")[-1] in partial:
+            out[name] = all_reduce(a.clone(), model.tp_size)                                   # (T, E)
+        elif a.shape[0] != num_tokens:                                   # this rank's tokens: (ceil(T/t), E)
+            out[name] = all_gather(a.contiguous(), model.tp_size, dim=0)[:num_tokens]          # -> (T, E)
+        else:
+            out[name] = a                                                # whole already (the logits)
+    return out
 
 
 def tplab_activations(model_dir, input_ids: list[int], tensor_parallel_size: int = 1, bugs=(), parts=None,
-                      dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """tplab's activations for one prompt, built with ``bugs``/``parts`` swapped in; ranks spawned at TP > 1."""
-    args = (str(model_dir), list(input_ids), tensor_parallel_size, tuple(bugs), parts, dtype)
+                      dtype: str = "float32", sequence_parallel: bool = False) -> dict[str, torch.Tensor]:
+    """tplab's activations for one prompt, built with ``bugs``/``parts`` swapped in; ranks spawned at TP > 1.
+    With ``sequence_parallel`` each is gathered back to all T tokens, comparable with HF's."""
+    args = (str(model_dir), list(input_ids), tensor_parallel_size, tuple(bugs), parts, dtype, sequence_parallel)
     if tensor_parallel_size == 1:
         return rank_activations(*args)
     return launch(rank_activations, tensor_parallel_size, args=args)[0]
+
+
+def stage_activations(cfg, input_ids: list[int]) -> dict[str, torch.Tensor] | None:
+    """In a rank of an engine ``cfg`` (an ``EngineConfig``; pipeline parallel or not): one prefill of ``input_ids``
+    through the engine itself, with hooks on the sublayers this rank's stage owns; on each stage's TP rank 0
+    (after the all-reduces) ``{name: (T, E)}``, None on the other ranks."""
+    from tplab.engine.sampling import SamplingParams
+    from tplab.engine.worker import Worker
+    from tplab.models.pipeline import PPMissingLayer
+    worker = Worker(cfg)
+    model = worker.engine.model
+    modules = dict(model.named_modules())
+    owned = [n for n in activation_names(cfg.hf_config.num_hidden_layers)[:-1]
+             if n in modules and not isinstance(modules[n], PPMissingLayer)]
+    with capture(model, outputs_of=owned) as (acts, _):
+        worker.generate([list(input_ids)], [SamplingParams(temperature=0.0, max_tokens=1)])
+    return dict(acts) if model.tp_rank == 0 else None
+
+
+def pipeline_activations(model_dir, input_ids: list[int], tensor_parallel_size: int = 1, pipeline_parallel_size: int = 2,
+                         bugs=(), parts=None) -> dict[str, torch.Tensor]:
+    """Every sublayer's activations for one prompt through a pipeline-parallel engine (t x p ranks), each from
+    the stage that owns it, in forward order; no ``logits`` (the engine computes only the last token's).
+    Compare with ``compare({n: ref[n] for n in mine}, mine)``."""
+    from tplab.engine.config import engine_config
+    cfg = engine_config(model_dir, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                        bugs=tuple(bugs), parts=parts, max_num_batched_tokens=max(len(input_ids), 16), device="cpu")
+    merged = {}
+    for acts in launch(stage_activations, tensor_parallel_size * pipeline_parallel_size, args=(cfg, list(input_ids))):
+        merged.update(acts or {})
+    order = activation_names(cfg.hf_config.num_hidden_layers)
+    return {n: merged[n] for n in order if n in merged}
 
 
 @dataclass

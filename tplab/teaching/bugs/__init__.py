@@ -6,11 +6,14 @@ pitfall it reproduces. A bug replaces fields of ``tplab.Parts`` (attention, RoPE
 layers, the LM head, the positions function, the checkpoint loader); bugs that replace
 different fields combine. ``tplab.engine.parts``, the one place where parts are resolved, finds
 them here by name (``BUGS``) when an engine asks for one. By area: ``attention``, ``rope``, ``sharding``, ``positions``,
-``loading``.
+``loading``, ``sequence_parallel`` and ``pipeline`` (notebook 07's: pitfalls of real SP and PP code rather than of
+the review notes).
 """
 from tplab.teaching.bugs.attention import RepeatedKVAttention, mask_mul_inf_attend, no_mask_with_cache_attend
 from tplab.teaching.bugs.loading import RandomLMHead, UnloadedLMHead, full_load_per_rank_load
+from tplab.teaching.bugs.pipeline import KVEveryLayerStage, ResidualNotSentStage
 from tplab.teaching.bugs.positions import decode_with_positions, greedy_with_positions, offby1_token_positions
+from tplab.teaching.bugs.sequence_parallel import HiddenScatterNormRegion, NormTwiceNormRegion
 from tplab.teaching.bugs.rope import (no_rope_apply, rope_cos_sin_axis_apply, rope_layout_apply,
                                       rope_swallowed_apply)
 from tplab.teaching.bugs.sharding import (Dim1MergedColumnParallelLinear, Dim1QKVParallelLinear,
@@ -35,6 +38,12 @@ BUGS = {
     "lm_head_missing": {"lm_head": UnloadedLMHead},
     "lm_head_random": {"lm_head": RandomLMHead},
     "full_load_per_rank": {"load_weights": full_load_per_rank_load},
+    # sequence parallelism (notebook 07; with LLM(..., sequence_parallel=True)): not from the review notes
+    "sp_scatter_hidden": {"sp_norm_region": HiddenScatterNormRegion},
+    "sp_norm_twice": {"sp_norm_region": NormTwiceNormRegion},
+    # pipeline parallelism: the stage boundary, the KV cache of a stage
+    "pp_residual_not_sent": {"pipeline_stage": ResidualNotSentStage},
+    "pp_kv_every_layer": {"pipeline_stage": KVEveryLayerStage},
 }
 NAMES = tuple(BUGS)
 

@@ -14,7 +14,7 @@ from tplab.engine.worker import Worker
 from tplab.models.checkpoints import tiny_stories
 from tplab.teaching.exercises.layer_probes import ForgotReturn
 from tplab.teaching.exercises.watchdog import bound_for, call_bounded
-from tplab.teaching.golden import activation_names, hf_activations
+from tplab.teaching.golden import activation_names, all_tokens, hf_activations
 
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and"]
 # a shared prefix, more KV than the cache holds: the block manager shares blocks, preempts and recomputes
@@ -53,6 +53,8 @@ def checked(obj):
 
 def engine_config(parts, tp, **settings) -> EngineConfig:
     """The shipped model's engine with ``parts`` (each checked for a missing ``return``), made here once."""
+    if "sp_norm_region" in parts:                    # the region runs only under sequence parallelism
+        settings = {"sequence_parallel": True, **settings}
     return EngineConfig(model=reference()["model"], tensor_parallel_size=tp, device="cpu",
                         parts={k: checked(v) for k, v in parts.items()}, **settings)
 
@@ -69,18 +71,20 @@ def engine_acts(cfg, prompt):
         if classes and isinstance(module, classes):
             module.register_forward_hook(no_none)
     out = probe(model, prompt, outputs_of=activation_names(len(model.model.layers))[:-1])
-    return {**out.outputs, "logits": out.logits.float().cpu()}
+    acts = {**out.outputs, "logits": out.logits.float().cpu()}
+    return all_tokens(model, acts, len(prompt)) if model.sequence_parallel else acts   # SP: back to all T tokens
 
 
-_groups: dict[int, RankGroup] = {}
+_groups: dict[tuple[str, int], RankGroup] = {}
 
 
-def kept_ranks(tp: int, timeout: float) -> RankGroup:
+def kept_ranks(tp: int, timeout: float, purpose: str = "tp") -> RankGroup:
     """``tp`` gloo ranks kept from one check to the next (where ranks are spawned, starting them costs
-    seconds); a group that a failure closed is replaced. They end with this process."""
-    group = _groups.get(tp)
+    seconds); a group that a failure closed is replaced. They end with this process. ``purpose="pp"``: other
+    ranks, for pipeline checks, whose engines set a t x p layout in their processes that TP checks must not see."""
+    group = _groups.get((purpose, tp))
     if group is None or group.closed:
-        group = _groups[tp] = RankGroup(tp, backend="gloo", timeout=timeout)
+        group = _groups[purpose, tp] = RankGroup(tp, backend="gloo", timeout=timeout)
     return group
 
 

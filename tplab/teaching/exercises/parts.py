@@ -23,7 +23,7 @@ import torch
 from tplab.distributed.launcher import RankError
 from tplab.engine.parts import FIELDS
 from tplab.teaching.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
-                                      own_code, watchdog)
+                                      own_code, sp_region_probe, watchdog)
 from tplab.teaching.exercises.layer_diagnoses import DIAGNOSE
 from tplab.teaching.exercises.in_engine import NEW_TOKENS, engine_acts, engine_config, kept_ranks, reference, serve
 from tplab.teaching.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
@@ -33,6 +33,7 @@ TOL = 1e-4
 
 LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
                 "block_manager": block_manager_probe}
+RANK_PROBES = {"sp_norm_region": sp_region_probe}  # parts alone in the ranks, by their own probe (collectives)
 HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
     ("attention", "shape", "if you repeated K/V to the query heads before storing them, the cache (H_kv heads "
                            "per slot) has no room for them: store the KV heads, repeat only for the scores"),
@@ -40,6 +41,11 @@ HINTS = [  # (the part it applies to, or None for any; words in an error; what t
            "or made, float64 (or another dtype); keep x's dtype (dtype=x.dtype, or .to(x.dtype))"),
     (None, "to have the same dtype", "two tensors of different dtypes met: a part returned, or made, another dtype "
            "than the model's (float64?); keep x's dtype (dtype=x.dtype, or .to(x.dtype))"),
+    ("sp_norm_region", "not divisible by tp_size", "a step's T tokens need not divide by tp_size (a lone decode "
+                       "token never does): pad them with zero rows to a multiple of tp_size before the reduce-scatter, "
+                       "and drop those rows after the all-gather"),
+    ("pipeline_stage", "Pair is not connected", "a rank sent to (or received from) itself: a stage's peer one stage "
+                        "away is world rank (pp_rank +/- 1) * tp_size + tp_rank, the same TP rank in that stage"),
     (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
            "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
            "all_gather(x, tp_size), which do"),
@@ -118,6 +124,12 @@ def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None
             return None
         ok, why = LOCAL_PROBES[name].diagnose(call_bounded(bound, LOCAL_PROBES[name].run, impl))
         return None if ok else f"the part alone: {why}"
+    if name in RANK_PROBES:                           # needs real ranks: at TP > 1 only
+        if group is None:
+            return None
+        results = group.run(call_bounded, (bound, RANK_PROBES[name].run, impl), timeout=timeout)
+        ok, why = RANK_PROBES[name].diagnose(results, tp)
+        return None if ok else f"the part alone: {why}"
     if name not in SPECS:
         return None
     for forward in (False, True):                     # the loaded weights first, then the output
@@ -176,11 +188,15 @@ def _verdict(name, parts, tp, acts1, acts, tokens, want, stats) -> ExerciseResul
 
 def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 90.0) -> ExerciseResult:
     """Run the shipped model with ``impl`` as part ``name`` (a field of ``tplab.Parts``) at TP 1 and at
-    ``tensor_parallel_size`` against HF. ``.ok`` is True, False, or None for an untouched stub;
+    ``tensor_parallel_size`` against HF (``pipeline_stage``: at ``tensor_parallel_size`` x 2 pipeline stages, after
+    its layouts and its boundary alone; ``sp_norm_region``: with sequence parallelism). ``.ok`` is True, False, or None for an untouched stub;
     ``.message`` names the first sublayer that differs, on which rank, and the mistake where it
     recognises one."""
     if name not in FIELDS:
         raise ValueError(f"no part named {name!r}; the parts are {list(FIELDS)}")
+    if name == "pipeline_stage":                       # its own checks: layouts, the boundary, the engine at PP 2
+        from tplab.teaching.exercises import pipeline_probe
+        return pipeline_probe.judge(impl, tensor_parallel_size, timeout, _exception_result)
     return judge_in_engine(name, impl, {name: impl}, tensor_parallel_size, timeout)
 
 
@@ -214,6 +230,8 @@ def _is_stub(impl, name) -> bool:
             call_bounded(None, run_probe, impl, SPECS[name](1), 0, 1)
         elif name in LOCAL_PROBES:
             call_bounded(None, LOCAL_PROBES[name].run, impl)
+        elif name in RANK_PROBES or name == "pipeline_stage":     # notebook 07's stubs raise when built
+            call_bounded(None, impl, 4, 0, 1)
     except Exception as e:
         return is_stub_error(impl, e)
     except DidNotReturn:                  # not a stub: the check itself stops it again and says where

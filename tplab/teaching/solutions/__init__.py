@@ -12,7 +12,8 @@ _HERE = pathlib.Path(__file__).parent
 # exercise name -> the class it defines, for the exercises that are parts of the engine (tplab.Parts fields)
 PARTS = {"gate_up_linear": "MyMergedColumnParallelLinear", "row_linear": "MyRowParallelLinear",
          "qkv_linear": "MyQKVParallelLinear", "embedding": "MyVocabParallelEmbedding",
-         "lm_head": "MyParallelLMHead", "attention": "MyAttention", "block_manager": "MyBlockManager"}
+         "lm_head": "MyParallelLMHead", "attention": "MyAttention", "block_manager": "MyBlockManager",
+         "sp_norm_region": "MySequenceParallelNormRegion", "pipeline_stage": "MyPipelineStage"}
 
 
 def names() -> list[str]:

@@ -1,0 +1,132 @@
+"""The step loop under pipeline parallelism (``pipeline_parallel_size`` p > 1): p batches in flight.
+
+Why p batches: a sequence's next step needs the token its last step sampled, and that token comes out of
+the last stage p stage-steps (ticks) after the first stage started the step. With one batch, each stage
+would work one tick in p and wait the others. With p independent batches (vLLM's virtual engines: p
+schedulers, each with its own requests and its own share of the KV blocks) the first stage starts batch
+v + 1 while batch v moves down the pipeline, and in steady state every stage is busy every tick: at tick k
+stage s runs the batch of virtual engine (k - s) mod p. Only the first p - 1 ticks (filling) and the last
+ones (draining), and ticks whose virtual engine has nothing left, are bubbles.
+
+Every rank runs all p schedulers on the same requests (SPMD), so every rank knows every batch without
+being told. Each tick:
+1. virtual engine k mod p, whose last batch was postprocessed at the end of the previous tick, schedules
+   its next batch (on every rank, alike);
+2. stage s takes the batch of virtual engine (k - s) mod p: receives the previous stage's ``(hidden,
+   residual)`` (s > 0), runs its layers, and sends its pair to the next stage (s < p - 1) or samples;
+3. the last stage's sampled tokens and logprobs are broadcast to every rank, and every rank's scheduler of
+   that virtual engine postprocesses the batch alike.
+
+Why a share of the blocks per virtual engine rather than one pool (vLLM's V0 split them the same way):
+the scheduler's guarantees are per scheduler. A prefix-cache hit reads blocks that an earlier prompt
+registered when they were allocated, computed by the end of that prompt's last chunk; with one pool,
+another virtual engine could hit a block whose chunk its own scheduler has not scheduled yet.
+"""
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Tick:
+    """What one rank's stage did in one tick (``LLM.pipeline_timeline``). Times are ``time.monotonic()``,
+    one clock for every process of a machine."""
+    tick: int
+    stage: int
+    virtual_engine: int | None     # None: nothing to run this tick (a bubble)
+    num_tokens: int                # tokens of the batch it ran
+    start: float                   # when the tick began, before waiting for the previous stage
+    busy: float                    # when its input was there and it started computing
+    end: float                     # after its send (or its sampling, on the last stage)
+
+
+def check_stages(stage, num_layers: int, tp_size: int) -> None:
+    """Every rank's ``Parts.pipeline_stage`` against the contract, before anything runs (a replacement that gets
+    it wrong would otherwise hang or compute silently wrong): the stages' ``layers`` are non-empty, contiguous, in
+    order and cover ``range(num_layers)``, only the first has the embedding and only the last the head."""
+    mine = (list(stage.layers), bool(stage.has_embedding), bool(stage.has_head))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    stages, end = every[::tp_size], 0                  # each stage's TP rank 0
+    for s, (layers, embedding, head) in enumerate(stages):
+        last = s == len(stages) - 1
+        if not layers or layers != list(range(end, end + len(layers))):
+            raise ValueError(f"pipeline stage {s} owns layers {layers}: each stage needs a non-empty run of "
+                             f"consecutive layers starting where the previous stage's ended (layer {end})")
+        if embedding != (s == 0) or head != last:
+            raise ValueError(f"pipeline stage {s} says has_embedding={embedding}, has_head={head}: only the first "
+                             "stage has the embedding, only the last the final norm and LM head")
+        end = layers[-1] + 1
+    if end != num_layers:
+        raise ValueError(f"the pipeline stages own layers 0..{end - 1} but the model has {num_layers}")
+
+
+class PipelineLoop:
+    """Runs ``generate``'s requests through this rank's stage with p batches in flight."""
+
+    def __init__(self, runner, schedulers, stage, hidden_size: int, dtype: torch.dtype):
+        self.runner, self.schedulers, self.stage = runner, schedulers, stage
+        self.hidden_size, self.dtype = hidden_size, dtype
+        self.timeline: list[Tick] = []
+
+    def run(self, seqs, on_finished) -> int:
+        """Serve ``seqs`` to the end; ``on_finished(seq)`` for each as it finishes. Returns the batches run."""
+        p, s = len(self.schedulers), self.stage.pp_rank
+        for seq in seqs:   # deterministic on every rank: to the virtual engine with the fewest unfinished
+            min(self.schedulers, key=lambda sch: len(sch.waiting) + len(sch.running)).add(seq)
+        in_flight: list[tuple[int, list] | None] = [None] * p   # (tick it was scheduled, batch) per engine
+        self.timeline, tick, batches, idle = [], 0, 0, 0
+        with torch.inference_mode():
+            while any(in_flight) or any(sch.has_work() for sch in self.schedulers):
+                v = tick % p
+                if in_flight[v] is None and self.schedulers[v].has_work():
+                    batch = self.schedulers[v].schedule()
+                    in_flight[v] = (tick, batch) if batch else None
+                idle = 0 if any(in_flight) else idle + 1
+                if idle > p:
+                    raise RuntimeError("pipeline: requests are left but no virtual engine could schedule a batch")
+                sampled = self._tick(tick, in_flight[(tick - s) % p], (tick - s) % p)
+                last = (tick - p + 1) % p                       # the engine whose batch the last stage ran
+                job = in_flight[last]
+                if job is not None and job[0] == tick - p + 1:
+                    tokens = self._share(job[1], sampled)
+                    for seq in self.schedulers[last].postprocess(job[1], tokens):
+                        on_finished(seq)
+                    in_flight[last], batches = None, batches + 1
+                tick += 1
+        return batches
+
+    def _tick(self, tick: int, job, v: int):
+        """This stage's part of tick ``tick``: the batch of virtual engine ``v`` if it reached this stage now."""
+        start, stage = time.monotonic(), self.stage
+        if job is None or job[0] != tick - stage.pp_rank:
+            self.timeline.append(Tick(tick, stage.pp_rank, None, 0, start, start, start))
+            return None
+        seqs = job[1]
+        input_ids, meta = self.runner.prepare(seqs)
+        received = None
+        if not stage.has_embedding:                          # (rows, E) twice from the previous stage
+            rows = self.runner.model.model.boundary_rows(input_ids.shape[0])
+            received = stage.recv(rows, self.hidden_size, self.dtype, self.runner.device)
+        busy = time.monotonic()
+        out = self.runner.model.model.forward_stage(input_ids, received, self.runner.kv_caches_of[v], meta)
+        sampled = None
+        if stage.has_head:
+            sampled = self.runner.sample(seqs, meta, out)
+        else:
+            stage.send(*out)
+        self.timeline.append(Tick(tick, stage.pp_rank, v, int(input_ids.shape[0]), start, busy, time.monotonic()))
+        return sampled
+
+    def _share(self, seqs, sampled) -> list[tuple[int, float] | None]:
+        """The last stage's ``(token, logprob)`` per sequence (None: a prompt chunk that samples nothing), on
+        every rank: one broadcast of a ``(B, 2)`` float64 tensor (token ids and float32 logprobs are exact)."""
+        buf = torch.full((len(seqs), 2), -1.0, dtype=torch.float64, device=self.runner.device)   # (B, 2)
+        if sampled is not None:
+            for b, pair in enumerate(sampled):
+                if pair is not None:
+                    buf[b, 0], buf[b, 1] = pair
+        dist.broadcast(buf, src=(self.stage.pp_size - 1) * self.runner.model.tp_size)   # the last stage's TP rank 0
+        return [None if token < 0 else (int(token), logprob) for token, logprob in buf.tolist()]

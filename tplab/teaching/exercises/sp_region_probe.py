@@ -1,0 +1,132 @@
+"""A learner's ``sp_norm_region`` alone, in real ranks: known partial sums (different on every rank), a known
+residual and a known RMSNorm, for T tokens that the ranks divide and that they do not (a lone decode token
+included); every method's output against the right one and against the usual mistakes."""
+import torch
+import torch.nn.functional as F
+
+from tplab.layers.norm import RMSNorm
+
+E = 8                                   # hidden size: small, divisible by every TP size the check runs at
+TOKENS = (5, 1, 8)                      # T: not divisible by 2 or 4, one decode token, divisible by both
+
+
+class CountingNorm(RMSNorm):
+    """The model's RMSNorm, counting the token rows it is given (SP norms each rank's T / t, not all T)."""
+
+    def __init__(self, weight):
+        super().__init__(E)
+        self.weight.data.copy_(weight)
+        self.rows = 0
+
+    def forward(self, x):
+        self.rows += x.shape[0]
+        return super().forward(x)
+
+
+def inputs(num_tokens: int, tp_size: int):
+    """The same on every rank and here: every rank's partial sums (t, T, E), the residual (T, E), the norm weight."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    return (torch.randn(tp_size, num_tokens, E, generator=gen), torch.randn(num_tokens, E, generator=gen),
+            1.0 + 0.1 * torch.randn(E, generator=gen))
+
+
+def rows(full: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
+    """Rank ``rank``'s tokens of ``full`` (T, ...) padded with zero rows to a multiple of ``tp_size``."""
+    per_rank = -(-full.shape[0] // tp_size)
+    return F.pad(full, (0, 0, 0, per_rank * tp_size - full.shape[0]))[rank * per_rank:(rank + 1) * per_rank]
+
+
+def run(impl) -> list[dict]:
+    """In a rank: each method of ``impl`` on each T (inputs cloned: a method may work in place)."""
+    import torch.distributed as dist
+    rank, tp_size = dist.get_rank(), dist.get_world_size()
+    out = []
+    for num_tokens in TOKENS:
+        partials, residual, weight = inputs(num_tokens, tp_size)
+        mine = rows(residual, rank, tp_size)                         # this rank's tokens of the residual
+        norm = CountingNorm(weight)
+        with torch.inference_mode():
+            region = impl(num_tokens, rank, tp_size)
+            got = {"local": region.local(residual.clone()), "add_first": region.add(partials[rank].clone()),
+                   "add": region.add(partials[rank].clone(), mine.clone()),
+                   "norm_gather": region.norm_gather(mine.clone(), norm)}
+        out.append({k: None if v is None else v.detach().float() for k, v in got.items()} | {"norm_rows": norm.rows})
+    return out
+
+
+def _same(a, b) -> bool:
+    return a is not None and a.shape == b.shape and bool(torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+
+
+def _add_mistake(got, partials, rank, tp) -> str:
+    """What ``add(partial)`` (no residual) did instead of reduce-scattering over tokens, or ""."""
+    total = partials.sum(0)                                          # (T, E)
+    padded = F.pad(total, (0, 0, 0, -(-total.shape[0] // tp) * tp - total.shape[0]))   # (T_pad, E)
+    hidden = padded.narrow(1, rank * E // tp, E // tp).reshape(-1, E)   # reduce-scatter on dim 1, forced back
+    if _same(got, total) or _same(got, padded):
+        return ("every rank holds every token's sum: that is an all-reduce. Reduce-scatter over tokens (dim 0) "
+                "so that rank r keeps only its rows [r * per_rank, (r + 1) * per_rank)")
+    if _same(got, rows(partials[rank], rank, tp)):
+        return "these are this rank's own partial sums of its tokens, not summed over the ranks: reduce-scatter them"
+    if _same(got, hidden):
+        return ("the sums were scattered over the hidden dimension (dim 1) and reshaped into this rank's rows: "
+                "every row mixes pieces of several tokens. SP splits tokens: reduce_scatter(..., dim=0)")
+    return ""
+
+
+def _check_add(got, name, partials, mine, rank, tp, num_tokens) -> str | None:
+    want = rows(partials.sum(0), rank, tp) + (0 if name == "add_first" else mine)
+    if got[name] is not None and _same(got[name], want):
+        return None
+    call = "add(partial)" if name == "add_first" else "add(partial, residual)"
+    where = f"rank {rank}, T = {num_tokens} at TP {tp}: {call}"
+    if got[name] is None:
+        return f"{where} returned None: did you forget `return`?"
+    if name == "add" and _same(got["add"], got["add_first"]):
+        return f"{where} did not add the residual (this rank's tokens of the residual stream, the second argument)"
+    why = _add_mistake(got["add_first"] if name == "add" else got[name], partials, rank, tp)
+    shape = f" gave shape {tuple(got[name].shape)}, want {tuple(want.shape)}" if got[name].shape != want.shape else ""
+    why = why or "the values are not the sum over the ranks of this rank's tokens"
+    return f"{where}{shape}: {why}"
+
+
+def _check_norm_gather(got, partials, residual, weight, rank, tp, num_tokens) -> str | None:
+    norm = CountingNorm(weight)
+    want, x = norm(residual), rows(residual, rank, tp)
+    where = f"rank {rank}, T = {num_tokens} at TP {tp}: norm_gather"
+    out = got["norm_gather"]
+    if out is None:
+        return f"{where} returned None: did you forget `return`?"
+    if out.shape == (x.shape[0], tp * E):
+        return f"{where} gathered on the hidden dimension ({tuple(out.shape)}): all_gather's dim defaults to -1; gather tokens, dim=0"
+    if out.shape[0] > num_tokens and _same(out[:num_tokens], want):
+        return f"{where} kept the padding rows ({out.shape[0]} rows for {num_tokens} tokens): drop them after gathering"
+    if _same(out, torch.cat([rows(residual, r, tp) for r in range(tp)])[:num_tokens]):
+        return f"{where} gathered the tokens without the norm: norm this rank's tokens, then gather"
+    if _same(out, norm(want)):
+        return (f"{where} applied the norm twice (to this rank's tokens, then to the gathered ones): the next "
+                "layer takes the gathered tokens as they are")
+    if not _same(out, want):
+        return f"{where} differs from the norm of every token (max {float((out - want).abs().max()) if out.shape == want.shape else float('inf'):.1e})"
+    if got["norm_rows"] != x.shape[0]:
+        return (f"{where} is right, but the norm ran on {got['norm_rows']} token rows on this rank, not its "
+                f"{x.shape[0]}: it normed the gathered tokens, the work SP exists to split. Norm, then gather")
+    return None
+
+
+def diagnose(results: list[list[dict]], tp: int) -> tuple[bool, str]:
+    """``results``: ``run``'s list on every rank. (ok, what is wrong with the first wrong output)."""
+    for i, num_tokens in enumerate(TOKENS):
+        partials, residual, weight = inputs(num_tokens, tp)
+        for rank, per_case in enumerate(results):
+            got = per_case[i]
+            if got["local"] is None or not _same(got["local"], rows(residual, rank, tp)):
+                return False, (f"rank {rank}, T = {num_tokens} at TP {tp}: local(full) must be this rank's rows "
+                               f"[r * per_rank, (r + 1) * per_rank) of the tokens padded to a multiple of {tp}")
+            mine = rows(residual, rank, tp)
+            why = _check_add(got, "add_first", partials, mine, rank, tp, num_tokens) or \
+                _check_add(got, "add", partials, mine, rank, tp, num_tokens) or \
+                _check_norm_gather(got, partials, residual, weight, rank, tp, num_tokens)
+            if why:
+                return False, why
+    return True, f"add, norm_gather and local are right on every rank for T in {TOKENS} at TP {tp}"
