@@ -117,6 +117,9 @@ class LLMEngine:
         self.model, self.load_report = build_model(cfg, self.device)
         if cfg.check_finite:
             install_finite_check(self.model)
+        if cfg.compile:                    # opt-in: torch.compile, eager where it cannot
+            from tplab.engine.compiled import compile_model   # here: importing dynamo costs a second
+            compile_model(self.model)
         spec = kv_cache_spec(cfg)
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions)
