@@ -2,21 +2,28 @@
 ``torch.compile`` with inductor, which on CPU writes C++ for the ops between the matmuls and builds it
 with the machine's C++ compiler. Opt-in: the eager path is the default and the reference.
 
-What is compiled: the whole forward of the model, embedding to final norm, as one graph, except
-attention. Attention reads the step's metadata (Python lists of sequence lengths that change every
-step) and runs a Python loop over sequences, so tracing it would recompile every step; here it is one
-opaque op per layer (``tplab::attention``, as vLLM's ``unified_attention``), which runs the layer's own
-attention part eagerly. Its inputs are q, k, v and the layer's index; the KV cache and the metadata of
-the step come from ``_step``, set around each forward (the op writes the cache in place, which a
-functional graph must not see, or it would copy the cache). What inductor gains between two
-attentions: the residual add, RMSNorm, RoPE and SiLU-and-mul each become one loop in C++ instead of a
-handful of dispatched ops; the matmuls stay the same library calls (oneDNN on packed weights, or
-``F.linear``), and the collectives of TP > 1 break the graph where they run.
+What is compiled: the model's forward, embedding to final norm, as one graph in which each linear layer
+and each attention is one opaque op (``tplab::linear``, ``tplab::attention``) that runs the part's own
+``forward`` eagerly, as vLLM's compiled graphs hold ``unified_attention``:
+
+- attention reads the step's metadata (Python lists of sequence lengths that change every step) and
+  loops over sequences in Python, so tracing it would recompile every step. Its op takes q, k, v and
+  the layer's index; the KV cache and the metadata come from ``_step``, set around each forward (the op
+  writes the cache in place, which a functional graph must not see, or it would copy the cache);
+- a linear layer multiplies by a weight packed for oneDNN (``cpu_gemm``): an opaque tensor that inductor
+  takes only as a frozen constant (``freezing``), and a graph with one is never written to inductor's
+  cache on disk. So the matmul (and a row-parallel layer's all-reduce) stays the library call eager
+  runs, and the graph holds no weight but the norms' and the embedding's.
+
+What inductor gains between two matmuls: RMSNorm (with the residual add before it), RoPE (the cos/sin
+lookup, rotate-half, the products and sums, for q and k) and SiLU-and-mul each become one loop in C++
+instead of 5-12 dispatched ops. The collectives outside linear layers (the embedding's all-reduce,
+sequence parallelism's) are ops of the graph too (``_collectives_as_ops``).
 
 Shapes: a step feeds T tokens, any number. ``dynamic=True`` compiles T as a symbol, so prefill chunks
 and decode steps of 2..512 tokens share one graph; T = 1 (a lone sequence's decode, the step that
-runs most) gets a graph of its own, specialised, as dynamo does for size 1. Two compiles per shape of
-model, no padding to buckets (attention would have to ignore padded tokens).
+runs most) gets a graph of its own, specialised, as dynamo does for size 1: two compiles per model
+shape, no padding to buckets (attention would have to skip padded tokens).
 
 Cost: the first start compiles (tens of seconds on 2 cores); inductor's FX graph cache on disk
 (``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) makes later starts on the machine cheap. Where no
@@ -24,15 +31,20 @@ C++ compiler is present, or compiling fails, the model runs eagerly and one line
 process.
 """
 import functools
+import os
 import sys
 
 import torch
+import torch._dynamo
+import torch._inductor.config
+import torch.distributed as dist
 from torch import nn
 
 from tplab.distributed import parallel_state
+from tplab.layers.cpu_gemm import GemmLayer
 
-_step: dict = {"kv_caches": None, "meta": None, "attentions": None}   # the step being run
-_said: set[str] = set()                                               # fallback lines printed
+_step: dict = {"kv_caches": None, "meta": None, "attentions": None, "linears": None}   # the step being run
+_said: set[str] = set()                                                             # fallback lines printed
 
 
 @torch.library.custom_op("tplab::attention", mutates_args=())
@@ -46,6 +58,18 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) ->
 @_attention.register_fake
 def _(q, k, v, layer):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.custom_op("tplab::linear", mutates_args=())
+def _linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    """Linear layer ``index`` of the model, its own ``forward``: ``(T, in) -> (T, out_features)``."""
+    out = _step["linears"][index](x)
+    return out.clone() if out.data_ptr() == x.data_ptr() else out
+
+
+@_linear.register_fake
+def _(x, index, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 # The collectives, as ops the graph holds (dynamo cannot trace shared memory or a process group): each runs
@@ -70,18 +94,14 @@ def _(x, tp_size):
     return torch.empty_like(x)
 
 
-@_all_gather.register_fake
-def _(x, tp_size, dim):
+def _resized(x, dim, size):
     shape = list(x.shape)
-    shape[dim] *= tp_size
+    shape[dim] = size
     return x.new_empty(shape)
 
 
-@_reduce_scatter.register_fake
-def _(x, tp_size, dim):
-    shape = list(x.shape)
-    shape[dim] //= tp_size
-    return x.new_empty(shape)
+_all_gather.register_fake(lambda x, tp_size, dim: _resized(x, dim, x.shape[dim] * tp_size))
+_reduce_scatter.register_fake(lambda x, tp_size, dim: _resized(x, dim, x.shape[dim] // tp_size))
 
 
 @functools.cache
@@ -102,15 +122,24 @@ def _collectives_as_ops() -> None:
         return x if tp_size == 1 else torch.ops.tplab.reduce_scatter(x, tp_size, dim)
 
 
-class OpaqueAttention(nn.Module):
-    """Stands where a layer's attention part was while the model is compiled: calls ``tplab::attention``."""
+class OpaqueAttention:
+    """An attention part's ``forward`` while the model is compiled: ``tplab::attention``."""
 
-    def __init__(self, inner: nn.Module, index: int):
-        super().__init__()
-        self.inner, self.index = inner, index
+    def __init__(self, index: int):
+        self.index = index
 
-    def forward(self, q, k, v, kv_cache, meta):
+    def __call__(self, q, k, v, kv_cache, meta):
         return torch.ops.tplab.attention(q, k, v, self.index)    # (T, H * D)
+
+
+class OpaqueLinear:
+    """A linear layer's ``forward`` while the model is compiled: ``tplab::linear``."""
+
+    def __init__(self, index: int, out_features: int):
+        self.index, self.out_features = index, out_features
+
+    def __call__(self, x):
+        return torch.ops.tplab.linear(x, self.index, self.out_features)    # (T, out_features)
 
 
 def compiler_problem() -> str | None:
@@ -124,24 +153,49 @@ def compiler_problem() -> str | None:
 
 
 def say_once(what: str) -> None:
-    """One line on stderr, once per process: the compiled path was asked for and eager runs instead."""
-    if what in _said:
+    """One line on stderr, once per process (at TP > 1 from rank 0 only): the compiled path was asked for
+    and the eager one runs instead."""
+    if what in _said or (dist.is_initialized() and dist.get_rank() != 0):
         return
     _said.add(what)
     print(f"tplab: compile=True but {what}; running the eager model (same results, slower)", file=sys.stderr)
 
 
+def while_compiling(e: BaseException) -> bool:
+    """Whether ``e`` came from dynamo or inductor compiling (tracing, lowering, the C++ build), not from
+    running the model: a dynamo error, or raised under ``convert_frame``, where every compile starts."""
+    if isinstance(e, torch._dynamo.exc.TorchDynamoException):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("_dynamo", "convert_frame.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _opaque(model: nn.Module) -> tuple[list, list]:
+    """Give every attention part and every linear layer of ``model``'s forward (the LM head, used after it,
+    keeps its own) an opaque ``forward``; their eager forwards, by index, for the ops."""
+    attentions = [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), nn.Module)]
+    linears = [m for name, m in model.named_modules() if isinstance(m, GemmLayer) and name != "lm_head"]
+    for i, attn in enumerate(attentions):
+        attn.forward = OpaqueAttention(i)
+    for i, m in enumerate(linears):
+        m.forward = OpaqueLinear(i, m.weight.shape[0])
+    return [type(m).forward.__get__(m) for m in attentions], [type(m).forward.__get__(m) for m in linears]
+
+
 class CompiledForward:
-    """``model.forward`` while the model is compiled: sets ``_step`` around the compiled forward, and on a
-    compile failure puts the eager model back for good and runs the step eagerly."""
+    """``model.forward`` while the model is compiled: sets ``_step`` around the compiled forward, and where
+    compiling fails puts the eager model back for good and runs the step eagerly. A failed compile has run
+    nothing of the step (the graph runs only once built); where parts of a model break the graph, an
+    earlier piece may have written this step's K/V, which the eager run writes again, the same values."""
 
     def __init__(self, model: nn.Module, options: dict | None = None):
         self.model, self.eager = model, model.forward
-        self.slots = [(m, m.attn) for m in model.modules() if isinstance(getattr(m, "attn", None), nn.Module)]
-        for i, (parent, attn) in enumerate(self.slots):
-            parent.attn = OpaqueAttention(attn, i)
-        self.attentions = [attn for _, attn in self.slots]
-        self.options = {"freezing": True, **(options or {})}
+        self.attentions, self.linears = _opaque(model)
+        self.options = options or {}
         self.compiled = torch.compile(self.eager, dynamic=True)
         self.failed = False
 
@@ -150,45 +204,37 @@ class CompiledForward:
             return self.eager(input_ids, kv_caches, meta)
         if len(kv_caches) != len(self.attentions):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.attentions)} attention layers")
-        _step.update(kv_caches=kv_caches, meta=meta, attentions=self.attentions)
+        _step.update(kv_caches=kv_caches, meta=meta, attentions=self.attentions, linears=self.linears)
         try:
-            import torch._inductor.config
-            with torch._inductor.config.patch(self.options):   # dynamo reads freezing too, as it traces
+            with torch._inductor.config.patch(self.options):
                 return self.compiled(input_ids, kv_caches, meta)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            if self.fall_back is None: raise
-            self.fall_back(f"compiling failed ({type(getattr(e, 'inner_exception', e)).__name__})")
+        except Exception as e:
+            if not while_compiling(e):
+                raise
+            self.fall_back(f"compiling failed ({type(getattr(e, 'inner_exception', None) or e).__name__})")
             return self.eager(input_ids, kv_caches, meta)
         finally:
-            _step.update(kv_caches=None, meta=None)
+            _step.update(kv_caches=None, meta=None, attentions=None, linears=None)
 
     def fall_back(self, why: str) -> None:
-        """Put every attention part back and run eagerly from now on."""
-        for parent, attn in self.slots:
-            parent.attn = attn
+        """Give every part its own forward back and run eagerly from now on."""
+        for m in self.attentions + self.linears:
+            del m.__self__.forward
         del self.model.forward
         self.failed = True
         say_once(why)
 
 
-def _weights_as_buffers(model: nn.Module) -> None:
-    """Each linear layer's packed weight (``cpu_gemm``) becomes a buffer of its layer, which ``freezing`` folds
-    into the graph as a constant, as it does the parameters (inductor's oneDNN linear takes constants only)."""
-    for m in model.modules():
-        packed = vars(m).get("packed_weight")
-        if isinstance(packed, torch.Tensor):
-            del m.packed_weight
-            m.register_buffer("packed_weight", packed, persistent=False)
-
-
-def compile_model(model: nn.Module, options: dict | None = None) -> bool:
-    """Run ``model``'s forward through ``torch.compile`` from its next call; whether it will (False, with
-    one line on stderr, where this machine has no C++ compiler)."""
-    problem = compiler_problem()
+def compile_model(model: nn.Module, options: dict | None = None, eager_because: str | None = None) -> bool:
+    """Run ``model``'s forward through ``torch.compile`` from its next call, with inductor ``options``;
+    whether it will (False, with one line on stderr, where this machine has no C++ compiler, or
+    ``eager_because`` says why not)."""
+    if isinstance(vars(model).get("forward"), CompiledForward):
+        return True
+    problem = eager_because or compiler_problem()
     if problem is not None:
-        say_once(f"no C++ compiler for inductor ({problem})")
+        say_once(eager_because or f"no C++ compiler for inductor ({problem})")
         return False
     _collectives_as_ops()
-    _weights_as_buffers(model)
     model.forward = CompiledForward(model, options)
     return True
