@@ -198,6 +198,7 @@ class CompiledForward:
         self.options = options or {}
         self.compiled = torch.compile(self.eager, dynamic=True)
         self.failed = False
+        self.num_compiled = 0              # forwards that ran compiled (llm.stats()["compiled_forwards"])
 
     def __call__(self, input_ids, kv_caches, meta):
         if self.failed:
@@ -207,7 +208,9 @@ class CompiledForward:
         _step.update(kv_caches=kv_caches, meta=meta, attentions=self.attentions, linears=self.linears)
         try:
             with torch._inductor.config.patch(self.options):
-                return self.compiled(input_ids, kv_caches, meta)
+                hidden = self.compiled(input_ids, kv_caches, meta)
+            self.num_compiled += 1
+            return hidden
         except Exception as e:
             if not while_compiling(e):
                 raise

@@ -155,7 +155,8 @@ class LLMEngine:
                 "prefix_cache_hit_blocks": bm.prefix_cache_hit_blocks,
                 "peak_kv_blocks_used": bm.peak_blocks_used, "num_kv_blocks": bm.num_blocks,
                 "kv_blocks_in_use": bm.num_used_blocks, "block_size": self.cfg.block_size,
-                "kv_cache_bytes": self.runner.kv_cache_bytes(), "num_steps": self.num_steps}
+                "kv_cache_bytes": self.runner.kv_cache_bytes(), "num_steps": self.num_steps,
+                "compiled_forwards": getattr(self.model.forward, "num_compiled", 0)}   # engine.compiled
 
     def _generator(self, index: int, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:
