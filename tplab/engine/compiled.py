@@ -33,6 +33,7 @@ process.
 import functools
 import os
 import sys
+import types
 
 import torch
 import torch._dynamo
@@ -48,9 +49,10 @@ _said: set[str] = set()                                                         
 
 
 @torch.library.custom_op("tplab::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     """Layer ``layer``'s attention part on this step: q ``(T, H, D)``, k and v ``(T, H_kv, D)`` -> ``(T, H * D)``.
     Writes k and v into the layer's KV cache (``_step``), which the graph never holds."""
+    layer = int(layer)
     out = _step["attentions"][layer](q, k, v, _step["kv_caches"][layer], _step["meta"])
     return out.clone() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
 
@@ -61,9 +63,9 @@ def _(q, k, v, layer):
 
 
 @torch.library.custom_op("tplab::linear", mutates_args=())
-def _linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+def _linear(x: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
     """Linear layer ``index`` of the model, its own ``forward``: ``(T, in) -> (T, out_features)``."""
-    out = _step["linears"][index](x)
+    out = _step["linears"][int(index)](x)
     return out.clone() if out.data_ptr() == x.data_ptr() else out
 
 
@@ -122,24 +124,14 @@ def _collectives_as_ops() -> None:
         return x if tp_size == 1 else torch.ops.tplab.reduce_scatter(x, tp_size, dim)
 
 
-class OpaqueAttention:
+def _opaque_attention(self, q, k, v, kv_cache, meta):
     """An attention part's ``forward`` while the model is compiled: ``tplab::attention``."""
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __call__(self, q, k, v, kv_cache, meta):
-        return torch.ops.tplab.attention(q, k, v, self.index)    # (T, H * D)
+    return torch.ops.tplab.attention(q, k, v, self.tplab_op_index)                # (T, H * D)
 
 
-class OpaqueLinear:
+def _opaque_linear(self, x):
     """A linear layer's ``forward`` while the model is compiled: ``tplab::linear``."""
-
-    def __init__(self, index: int, out_features: int):
-        self.index, self.out_features = index, out_features
-
-    def __call__(self, x):
-        return torch.ops.tplab.linear(x, self.index, self.out_features)    # (T, out_features)
+    return torch.ops.tplab.linear(x, self.tplab_op_index, self.tplab_out_features)   # (T, out_features)
 
 
 def compiler_problem() -> str | None:
@@ -179,10 +171,12 @@ def _opaque(model: nn.Module) -> tuple[list, list]:
     keeps its own) an opaque ``forward``; their eager forwards, by index, for the ops."""
     attentions = [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), nn.Module)]
     linears = [m for name, m in model.named_modules() if isinstance(m, GemmLayer) and name != "lm_head"]
-    for i, attn in enumerate(attentions):
-        attn.forward = OpaqueAttention(i)
-    for i, m in enumerate(linears):
-        m.forward = OpaqueLinear(i, m.weight.shape[0])
+    for modules, forward in ((attentions, _opaque_attention), (linears, _opaque_linear)):
+        for i, m in enumerate(modules):
+            # the index is a tensor, an input of the graph, so that every layer runs the same graph
+            m.register_buffer("tplab_op_index", torch.tensor(i), persistent=False)
+            m.tplab_out_features = m.weight.shape[0] if forward is _opaque_linear else None
+            m.forward = types.MethodType(forward, m)
     return [type(m).forward.__get__(m) for m in attentions], [type(m).forward.__get__(m) for m in linears]
 
 
@@ -196,7 +190,11 @@ class CompiledForward:
         self.model, self.eager = model, model.forward
         self.attentions, self.linears = _opaque(model)
         self.options = options or {}
-        self.compiled = torch.compile(self.eager, dynamic=True)
+        # one decoder layer's code, compiled once for all of them: the index of each op is a tensor input
+        self.layers = list(model.model.layers)
+        compiled = torch.compile(type(self.layers[0]).forward, dynamic=True)
+        for layer in self.layers:
+            layer.forward = types.MethodType(compiled, layer)
         self.failed = False
         self.num_compiled = 0              # forwards that ran compiled (llm.stats()["compiled_forwards"])
 
@@ -208,7 +206,7 @@ class CompiledForward:
         _step.update(kv_caches=kv_caches, meta=meta, attentions=self.attentions, linears=self.linears)
         try:
             with torch._inductor.config.patch(self.options):
-                hidden = self.compiled(input_ids, kv_caches, meta)
+                hidden = self.eager(input_ids, kv_caches, meta)     # its layers compiled
             self.num_compiled += 1
             return hidden
         except Exception as e:
@@ -222,7 +220,9 @@ class CompiledForward:
     def fall_back(self, why: str) -> None:
         """Give every part its own forward back and run eagerly from now on."""
         for m in self.attentions + self.linears:
-            del m.__self__.forward
+            del m.__self__.forward, m.__self__.tplab_op_index
+        for layer in self.layers:
+            del layer.forward
         del self.model.forward
         self.failed = True
         say_once(why)
