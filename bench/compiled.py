@@ -83,7 +83,8 @@ def run(ckpt, s: Settings):
     torch.set_num_threads(s.threads)
     log(f"[compiled] eager vs compile=True, TP 1, {s.threads} thread(s): decode, {s.batch_requests} requests, "
         f"prefill {s.prefill_len}; then start times in fresh processes")
-    settings = dict(tensor_parallel_size=1, dtype="float32", max_num_seqs=s.batch_requests, kv_cache_memory=512 << 20)
+    settings = dict(tensor_parallel_size=1, dtype="float32", max_num_seqs=s.batch_requests,
+                    kv_cache_memory=512 << 20)
     eager, compiled = LLM(ckpt, **settings), LLM(ckpt, compile=True, **settings)
     try:
         t0 = time.perf_counter()

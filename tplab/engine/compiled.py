@@ -1,8 +1,8 @@
-"""The compiled path (``EngineConfig.compile``, ``TPLAB_COMPILE=1``): a rank's model forward through
+"""The compiled path (``EngineConfig.compile``, ``TPLAB_COMPILE=1``): a rank's decoder layers through
 ``torch.compile`` with inductor, which on CPU writes C++ for the ops between the matmuls and builds it
 with the machine's C++ compiler. Opt-in: the eager path is the default and the reference.
 
-What is compiled: the model's forward, embedding to final norm, as one graph in which each linear layer
+What is compiled: one decoder layer's ``forward``, once, for every layer. In its graph each linear layer
 and each attention is one opaque op (``tplab::linear``, ``tplab::attention``) that runs the part's own
 ``forward`` eagerly, as vLLM's compiled graphs hold ``unified_attention``:
 
@@ -13,21 +13,25 @@ and each attention is one opaque op (``tplab::linear``, ``tplab::attention``) th
 - a linear layer multiplies by a weight packed for oneDNN (``cpu_gemm``): an opaque tensor that inductor
   takes only as a frozen constant (``freezing``), and a graph with one is never written to inductor's
   cache on disk. So the matmul (and a row-parallel layer's all-reduce) stays the library call eager
-  runs, and the graph holds no weight but the norms' and the embedding's.
+  runs, the graph holds no weight but the norms', and ``freezing``/``max-autotune`` (inductor's own
+  GEMMs) have nothing to work on: the packed oneDNN weights are already what freezing would make.
 
-What inductor gains between two matmuls: RMSNorm (with the residual add before it), RoPE (the cos/sin
-lookup, rotate-half, the products and sums, for q and k) and SiLU-and-mul each become one loop in C++
-instead of 5-12 dispatched ops. The collectives outside linear layers (the embedding's all-reduce,
-sequence parallelism's) are ops of the graph too (``_collectives_as_ops``).
+Each op's index is a tensor (a buffer of its module), an input of the graph rather than a constant, so
+one graph serves all layers (a constant would be guarded, and every layer would compile its own). What
+inductor gains between two matmuls: RMSNorm (with the residual add before it), RoPE (the cos/sin lookup,
+rotate-half, the products and sums, for q and k), SiLU-and-mul and the last residual add become five
+loops in C++ instead of about 40 dispatched ops. The collectives outside linear layers (sequence
+parallelism's) are ops of the graph too (``_collectives_as_ops``). The embedding, the final norm and the
+LM head stay eager.
 
 Shapes: a step feeds T tokens, any number. ``dynamic=True`` compiles T as a symbol, so prefill chunks
 and decode steps of 2..512 tokens share one graph; T = 1 (a lone sequence's decode, the step that
-runs most) gets a graph of its own, specialised, as dynamo does for size 1: two compiles per model
-shape, no padding to buckets (attention would have to skip padded tokens).
+runs most) gets a graph of its own, specialised, as dynamo does for size 1: two compiles, no padding
+to buckets (attention would have to skip padded tokens).
 
 Cost: the first start compiles (tens of seconds on 2 cores); inductor's FX graph cache on disk
-(``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) makes later starts on the machine cheap. Where no
-C++ compiler is present, or compiling fails, the model runs eagerly and one line says so, once per
+(``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) makes later starts on the machine take seconds. Where
+no C++ compiler is present, or compiling fails, the model runs eagerly and one line says so, once per
 process.
 """
 import functools
@@ -181,7 +185,7 @@ def _opaque(model: nn.Module) -> tuple[list, list]:
 
 
 class CompiledForward:
-    """``model.forward`` while the model is compiled: sets ``_step`` around the compiled forward, and where
+    """``model.forward`` while its layers are compiled: sets ``_step`` around each forward, and where
     compiling fails puts the eager model back for good and runs the step eagerly. A failed compile has run
     nothing of the step (the graph runs only once built); where parts of a model break the graph, an
     earlier piece may have written this step's K/V, which the eager run writes again, the same values."""
@@ -229,8 +233,8 @@ class CompiledForward:
 
 
 def compile_model(model: nn.Module, options: dict | None = None, eager_because: str | None = None) -> bool:
-    """Run ``model``'s forward through ``torch.compile`` from its next call, with inductor ``options``;
-    whether it will (False, with one line on stderr, where this machine has no C++ compiler, or
+    """Run ``model``'s decoder layers through ``torch.compile`` from its next forward, with inductor
+    ``options`` (``torch._inductor.config`` names, patched around each forward); whether it will (False, with one line on stderr, where this machine has no C++ compiler, or
     ``eager_because`` says why not)."""
     if isinstance(vars(model).get("forward"), CompiledForward):
         return True

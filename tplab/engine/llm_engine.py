@@ -119,7 +119,8 @@ class LLMEngine:
             install_finite_check(self.model)
         if cfg.compile:                    # opt-in: torch.compile, eager where it cannot
             from tplab.engine.compiled import compile_model   # here: importing dynamo costs a second
-            compile_model(self.model, eager_because="check_finite=True watches every sublayer" * cfg.check_finite or None)
+            why_not = "check_finite=True watches every sublayer" if cfg.check_finite else None
+            compile_model(self.model, eager_because=why_not)
         spec = kv_cache_spec(cfg)
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions)
