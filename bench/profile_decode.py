@@ -2,7 +2,10 @@
 against HF ``generate`` on the same checkpoint, same process, same threads; plus cProfile of tplab's
 Python side.
 
-    .venv/bin/python bench/profile_decode.py [--quick] [--steps 8] [--rows 25] [--threads N]
+    .venv/bin/python bench/profile_decode.py [--quick] [--steps 8] [--rows 25] [--threads N] [--compile]
+
+``--compile`` profiles tplab's compiled path (``LLM(compile=True)``): its fused C++ loops show as
+``## Call CompiledFxGraph`` rows, the matmuls and attention as ``tplab::linear`` / ``tplab::attention``.
 
 The profiler is started at the second forward of a generate call (the first one is the prefill) and
 stopped when the call returns, so the tables cover ``steps`` decode steps. tplab is not modified: the
@@ -71,6 +74,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores)")
+    ap.add_argument("--compile", action="store_true", help="tplab with compile=True (tplab.engine.compiled)")
     args = ap.parse_args()
     s = Settings.make(args.quick, args.threads)
     torch.set_num_threads(s.threads)
@@ -79,7 +83,7 @@ def main():
 
     prompt = prompt_ids(s.prompt_len)
     hf = load_hf(ckpt)
-    llm = LLM(ckpt, tensor_parallel_size=1, dtype="float32", kv_cache_memory=256 << 20)
+    llm = LLM(ckpt, tensor_parallel_size=1, dtype="float32", kv_cache_memory=256 << 20, compile=args.compile)
     runner = inproc_engine(llm).runner
 
     def install_tplab(make):
@@ -102,7 +106,7 @@ def main():
         plain["tplab"] += timed_only(install_tplab, call_tplab, args.steps)
         plain["hf"] += timed_only(install_hf, call_hf, args.steps)
     med = {k: sorted(v)[len(v) // 2] for k, v in plain.items()}
-    print(f"# {s.name}, {s.threads} torch threads, prompt {len(prompt)}")
+    print(f"# {s.name}, {s.threads} torch threads, prompt {len(prompt)}{', tplab compiled' * args.compile}")
     print(f"# decode step, no profiler (median of {len(plain['tplab'])} steps): "
           f"tplab {med['tplab'] * 1e3:.1f} ms, HF {med['hf'] * 1e3:.1f} ms (HF step = its forward only)\n")
 

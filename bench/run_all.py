@@ -23,7 +23,7 @@ import common  # noqa: E402
 from common import Row, Settings, checkpoint, log, machine_info, print_table, rows_to_json  # noqa: E402
 from common import machine as common_machine  # noqa: E402
 
-ITEMS = ["decode", "tp_scaling", "memory", "prefill", "batching"]
+ITEMS = ["decode", "tp_scaling", "memory", "prefill", "batching", "compiled"]
 
 
 def main(argv=None):

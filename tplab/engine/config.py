@@ -92,9 +92,10 @@ def default_batched_tokens(device) -> int:
     return 4096 if torch.device(device).type == "cuda" else 512
 
 
-def _env_flag(name: str) -> bool:
-    """A setting's default from the environment, read when a config is resolved: on unless ``name=0``."""
-    return os.environ.get(name, "1") != "0"
+def _env_flag(name: str, default: str = "1") -> bool:
+    """A setting's default from the environment, read when a config is resolved: on unless ``name=0``
+    (``default="0"``: off unless ``name`` is set to something else)."""
+    return os.environ.get(name, default) != "0"
 
 
 def _positive_int(name: str, value) -> None:
@@ -139,6 +140,7 @@ class EngineConfig:
     onednn: bool = field(default_factory=lambda: _env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
     pack_weights: bool = field(default_factory=lambda: _env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
     malloc_tune: bool = field(default_factory=lambda: _env_flag("TPLAB_MALLOC_TUNE"))    # engine.malloc
+    compile: bool = field(default_factory=lambda: _env_flag("TPLAB_COMPILE", "0"))  # torch.compile, engine.compiled
     hf_config: object = field(default=None, repr=False)  # None -> config.json's, as plain_config
 
     def __post_init__(self):
@@ -162,6 +164,8 @@ def _resolved(cfg: EngineConfig) -> dict:
         raise ValueError(f"timeout must be a positive number of seconds, got {cfg.timeout!r}")
     for name in ("block_size", "max_num_seqs"):
         _positive_int(name, getattr(cfg, name))
+    if not isinstance(cfg.compile, bool):
+        raise ValueError(f"compile must be True or False, got {cfg.compile!r}")
     for name in ("num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
         if getattr(cfg, name) is not None:
             _positive_int(name, getattr(cfg, name))

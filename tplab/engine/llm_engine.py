@@ -131,6 +131,11 @@ class LLMEngine:
         stage, pp = self.model.stage, cfg.pipeline_parallel_size
         if pp > 1:
             check_stages(stage, cfg.hf_config.num_hidden_layers, cfg.tensor_parallel_size)
+        if cfg.compile:                    # opt-in: torch.compile, eager where it cannot
+            from tplab.engine.compiled import compile_model   # here: importing dynamo costs a second
+            why_not = ("check_finite=True watches every sublayer" if cfg.check_finite else
+                       "pipeline parallelism runs the layers stage by stage" if pp > 1 else None)
+            compile_model(self.model, eager_because=why_not)
         spec = kv_cache_spec(cfg, num_layers=len(stage.kv_cache_layers))
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions, stage.kv_cache_layers, num_engines=pp)
@@ -181,7 +186,8 @@ class LLMEngine:
                 "prefix_cache_hit_blocks": total("prefix_cache_hit_blocks", bm),
                 "peak_kv_blocks_used": total("peak_blocks_used", bm), "num_kv_blocks": total("num_blocks", bm),
                 "kv_blocks_in_use": total("num_used_blocks", bm), "block_size": self.cfg.block_size,
-                "kv_cache_bytes": self.runner.kv_cache_bytes(), "num_steps": self.num_steps}
+                "kv_cache_bytes": self.runner.kv_cache_bytes(), "num_steps": self.num_steps,
+                "compiled_forwards": getattr(self.model.forward, "num_compiled", 0)}   # engine.compiled
 
     def timeline(self) -> list[dict]:
         """This rank's ticks of the last ``generate`` under pipeline parallelism (``PipelineLoop.timeline``)."""

@@ -1,0 +1,249 @@
+"""The compiled path (``EngineConfig.compile``, ``TPLAB_COMPILE=1``): a rank's decoder layers through
+``torch.compile`` with inductor, which on CPU writes C++ for the ops between the matmuls and builds it
+with the machine's C++ compiler. Opt-in: the eager path is the default and the reference.
+
+What is compiled: one decoder layer's ``forward``, once, for every layer. In its graph each linear layer
+and each attention is one opaque op (``tplab::linear``, ``tplab::attention``) that runs the part's own
+``forward`` eagerly, as vLLM's compiled graphs hold ``unified_attention``:
+
+- attention reads the step's metadata (Python lists of sequence lengths that change every step) and
+  loops over sequences in Python, so tracing it would recompile every step. Its op takes q, k, v and
+  the layer's index; the KV cache and the metadata come from ``_step``, set around each forward (the op
+  writes the cache in place, which a functional graph must not see, or it would copy the cache);
+- a linear layer multiplies by a weight packed for oneDNN (``cpu_gemm``): an opaque tensor that inductor
+  takes only as a frozen constant (``freezing``), and a graph with one is never written to inductor's
+  cache on disk. So the matmul (and a row-parallel layer's all-reduce) stays the library call eager
+  runs, the graph holds no weight but the norms', and ``freezing``/``max-autotune`` (inductor's own
+  GEMMs) have nothing to work on: the packed oneDNN weights are already what freezing would make.
+
+Each op's index is a tensor (a buffer of its module), an input of the graph rather than a constant, so
+one graph serves all layers (a constant would be guarded, and every layer would compile its own). What
+inductor gains between two matmuls: RMSNorm (with the residual add before it), RoPE (the cos/sin lookup,
+rotate-half, the products and sums, for q and k), SiLU-and-mul and the last residual add become five
+loops in C++ instead of about 40 dispatched ops. The collectives outside linear layers (sequence
+parallelism's) are ops of the graph too (``_collectives_as_ops``). The embedding, the final norm and the
+LM head stay eager. What it costs per layer and step: dynamo's guard check of the layer (~50 us on 2 cores
+of an AMD EPYC, Zen 4) and a Python dispatch per opaque op (~20 us), about what the fused ops saved there
+(``bench/profile_decode.py --compile``).
+
+Shapes: a step feeds T tokens, any number. ``dynamic=True`` compiles T as a symbol, so prefill chunks
+and decode steps of 2..512 tokens share one graph; T = 1 (a lone sequence's decode, the step that
+runs most) gets a graph of its own, specialised, as dynamo does for size 1: two compiles, no padding
+to buckets (attention would have to skip padded tokens).
+
+Cost: the first start compiles (tens of seconds on 2 cores); inductor's FX graph cache on disk
+(``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) makes later starts on the machine take seconds. Where
+no C++ compiler is present, or compiling fails, the model runs eagerly and one line says so, once per
+process.
+"""
+import functools
+import os
+import sys
+import types
+
+import torch
+import torch._dynamo
+import torch._inductor.config
+import torch.distributed as dist
+from torch import nn
+
+from tplab.distributed import parallel_state
+from tplab.layers.cpu_gemm import GemmLayer
+
+_step: dict = {"kv_caches": None, "meta": None, "attentions": None, "linears": None}   # the step being run
+_said: set[str] = set()                                                             # fallback lines printed
+
+
+@torch.library.custom_op("tplab::attention", mutates_args=())
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    """Layer ``layer``'s attention part on this step: q ``(T, H, D)``, k and v ``(T, H_kv, D)`` -> ``(T, H * D)``.
+    Writes k and v into the layer's KV cache (``_step``), which the graph never holds."""
+    layer = int(layer)
+    out = _step["attentions"][layer](q, k, v, _step["kv_caches"][layer], _step["meta"])
+    return out.clone() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
+
+
+@_attention.register_fake
+def _(q, k, v, layer):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@torch.library.custom_op("tplab::linear", mutates_args=())
+def _linear(x: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Linear layer ``index`` of the model, its own ``forward``: ``(T, in) -> (T, out_features)``."""
+    out = _step["linears"][int(index)](x)
+    return out.clone() if out.data_ptr() == x.data_ptr() else out
+
+
+@_linear.register_fake
+def _(x, index, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+# The collectives, as ops the graph holds (dynamo cannot trace shared memory or a process group): each runs
+# tplab's own collective on a copy (an op may not return its input), so the path and the bits are the same.
+@torch.library.custom_op("tplab::all_reduce", mutates_args=())
+def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    return parallel_state.all_reduce(x.clone(), tp_size)
+
+
+@torch.library.custom_op("tplab::all_gather", mutates_args=())
+def _all_gather(x: torch.Tensor, tp_size: int, dim: int) -> torch.Tensor:
+    return parallel_state.all_gather(x, tp_size, dim)
+
+
+@torch.library.custom_op("tplab::reduce_scatter", mutates_args=())
+def _reduce_scatter(x: torch.Tensor, tp_size: int, dim: int) -> torch.Tensor:
+    return parallel_state.reduce_scatter(x, tp_size, dim)
+
+
+@_all_reduce.register_fake
+def _(x, tp_size):
+    return torch.empty_like(x)
+
+
+def _resized(x, dim, size):
+    shape = list(x.shape)
+    shape[dim] = size
+    return x.new_empty(shape)
+
+
+_all_gather.register_fake(lambda x, tp_size, dim: _resized(x, dim, x.shape[dim] * tp_size))
+_reduce_scatter.register_fake(lambda x, tp_size, dim: _resized(x, dim, x.shape[dim] // tp_size))
+
+
+@functools.cache
+def _collectives_as_ops() -> None:
+    """Where dynamo meets ``parallel_state``'s collectives it traces these instead (once per process)."""
+    from torch._dynamo import substitute_in_graph
+
+    @substitute_in_graph(parallel_state.all_reduce)
+    def all_reduce(x, tp_size):
+        return x if tp_size == 1 else torch.ops.tplab.all_reduce(x, tp_size)
+
+    @substitute_in_graph(parallel_state.all_gather)
+    def all_gather(x, tp_size, dim=-1):
+        return x if tp_size == 1 else torch.ops.tplab.all_gather(x, tp_size, dim)
+
+    @substitute_in_graph(parallel_state.reduce_scatter)
+    def reduce_scatter(x, tp_size, dim=0):
+        return x if tp_size == 1 else torch.ops.tplab.reduce_scatter(x, tp_size, dim)
+
+
+def _opaque_attention(self, q, k, v, kv_cache, meta):
+    """An attention part's ``forward`` while the model is compiled: ``tplab::attention``."""
+    return torch.ops.tplab.attention(q, k, v, self.tplab_op_index)                # (T, H * D)
+
+
+def _opaque_linear(self, x):
+    """A linear layer's ``forward`` while the model is compiled: ``tplab::linear``."""
+    return torch.ops.tplab.linear(x, self.tplab_op_index, self.tplab_out_features)   # (T, out_features)
+
+
+def compiler_problem() -> str | None:
+    """Why inductor cannot build C++ here (no working C++ compiler), or None."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        get_cpp_compiler()
+    except Exception as e:   # InvalidCxxCompiler, or an inductor that cannot be imported
+        return f"{type(e).__name__}: {e}".rstrip(": ") or type(e).__name__
+    return None
+
+
+def say_once(what: str) -> None:
+    """One line on stderr, once per process (at TP > 1 from rank 0 only): the compiled path was asked for
+    and the eager one runs instead."""
+    if what in _said or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    _said.add(what)
+    print(f"tplab: compile=True but {what}; running the eager model (same results, slower)", file=sys.stderr)
+
+
+def while_compiling(e: BaseException) -> bool:
+    """Whether ``e`` came from dynamo or inductor compiling (tracing, lowering, the C++ build), not from
+    running the model: a dynamo error, or raised under ``convert_frame``, where every compile starts."""
+    if isinstance(e, torch._dynamo.exc.TorchDynamoException):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("_dynamo", "convert_frame.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _opaque(model: nn.Module) -> tuple[list, list]:
+    """Give every attention part and every linear layer of ``model``'s forward (the LM head, used after it,
+    keeps its own) an opaque ``forward``; their eager forwards, by index, for the ops."""
+    attentions = [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), nn.Module)]
+    linears = [m for name, m in model.named_modules() if isinstance(m, GemmLayer) and name != "lm_head"]
+    for modules, forward in ((attentions, _opaque_attention), (linears, _opaque_linear)):
+        for i, m in enumerate(modules):
+            # the index is a tensor, an input of the graph, so that every layer runs the same graph
+            m.register_buffer("tplab_op_index", torch.tensor(i), persistent=False)
+            m.tplab_out_features = m.weight.shape[0] if forward is _opaque_linear else None
+            m.forward = types.MethodType(forward, m)
+    return [type(m).forward.__get__(m) for m in attentions], [type(m).forward.__get__(m) for m in linears]
+
+
+class CompiledForward:
+    """``model.forward`` while its layers are compiled: sets ``_step`` around each forward, and where
+    compiling fails puts the eager model back for good and runs the step eagerly. A failed compile has run
+    nothing of the step (the graph runs only once built); where parts of a model break the graph, an
+    earlier piece may have written this step's K/V, which the eager run writes again, the same values."""
+
+    def __init__(self, model: nn.Module, options: dict | None = None):
+        self.model, self.eager = model, model.forward
+        self.attentions, self.linears = _opaque(model)
+        self.options = options or {}
+        # one decoder layer's code, compiled once for all of them: the index of each op is a tensor input
+        self.layers = list(model.model.layers)
+        compiled = torch.compile(type(self.layers[0]).forward, dynamic=True)
+        for layer in self.layers:
+            layer.forward = types.MethodType(compiled, layer)
+        self.failed = False
+        self.num_compiled = 0              # forwards that ran compiled (llm.stats()["compiled_forwards"])
+
+    def __call__(self, input_ids, kv_caches, meta):
+        if self.failed:
+            return self.eager(input_ids, kv_caches, meta)
+        if len(kv_caches) != len(self.attentions):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.attentions)} attention layers")
+        _step.update(kv_caches=kv_caches, meta=meta, attentions=self.attentions, linears=self.linears)
+        try:
+            with torch._inductor.config.patch(self.options):
+                hidden = self.eager(input_ids, kv_caches, meta)     # its layers compiled
+            self.num_compiled += 1
+            return hidden
+        except Exception as e:
+            if not while_compiling(e):
+                raise
+            self.fall_back(f"compiling failed ({type(getattr(e, 'inner_exception', None) or e).__name__})")
+            return self.eager(input_ids, kv_caches, meta)
+        finally:
+            _step.update(kv_caches=None, meta=None, attentions=None, linears=None)
+
+    def fall_back(self, why: str) -> None:
+        """Give every part its own forward back and run eagerly from now on."""
+        for m in self.attentions + self.linears:
+            del m.__self__.forward, m.__self__.tplab_op_index
+        for layer in self.layers:
+            del layer.forward
+        del self.model.forward
+        self.failed = True
+        say_once(why)
+
+
+def compile_model(model: nn.Module, options: dict | None = None, eager_because: str | None = None) -> bool:
+    """Run ``model``'s decoder layers through ``torch.compile`` from its next forward, with inductor
+    ``options`` (``torch._inductor.config`` names, patched around each forward); whether it will (False, with one line on stderr, where this machine has no C++ compiler, or
+    ``eager_because`` says why not)."""
+    if isinstance(vars(model).get("forward"), CompiledForward):
+        return True
+    problem = eager_because or compiler_problem()
+    if problem is not None:
+        say_once(eager_because or f"no C++ compiler for inductor ({problem})")
+        return False
+    _collectives_as_ops()
+    model.forward = CompiledForward(model, options)
+    return True
