@@ -68,6 +68,14 @@ def test_compiled_tp2_equals_hf(checkpoint, hf_model):
     within_hf(outputs, hf_model, checkpoint("gqa"))
 
 
+def test_compile_under_pipeline_parallelism_runs_eager_and_equals_hf(checkpoint, hf_model):
+    """The stages run their layer ranges one at a time (``pipeline_loop``): compile=True keeps them eager."""
+    with LLM(checkpoint("gqa"), pipeline_parallel_size=2, compile=True) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert llm.stats()["compiled_forwards"] == 0
+    within_hf(outputs, hf_model, checkpoint("gqa"))
+
+
 def test_compile_setting_is_checked_and_off_by_default(checkpoint, monkeypatch):
     monkeypatch.delenv("TPLAB_COMPILE", raising=False)
     assert engine_config(checkpoint("gqa")).compile is False
