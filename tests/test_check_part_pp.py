@@ -90,13 +90,19 @@ def test_a_peer_that_forgets_the_tp_ranks_fails_with_where_to_send():
     assert "(pp_rank +/- 1) * tp_size + tp_rank" in result.message or "(s + 1) * tp_size + tp_rank" in result.message
 
 
-def test_check_engine_calls_notebook_07s_stubs_stubs():
-    """notebook 06's finale, after a Run All of notebook 07: its two stubs are named, not run."""
+def test_check_engine_leaves_notebook_07s_parts_to_notebook_07():
+    """notebook 06's finale, after a Run All of notebook 07: its two parts are left out of the TP engine (the
+    region needs sequence parallelism, the stage needs stages) and named as judged there."""
     from tplab.exercises import check_engine
     region_stub = type("Stub", (define("sp_norm_region")["MySequenceParallelNormRegion"],),
                        {"__init__": Stub.__init__})
     result = check_engine({"pipeline_stage": Stub, "sp_norm_region": region_stub})
-    assert result.ok is None and "pipeline_stage" in result.message and "sp_norm_region" in result.message, result
+    assert result.ok is None and "not attempted yet" in result.message, result
+    assert "notebook 07's pipeline_stage, sp_norm_region: judged there" in result.message, result
+    row = define("row_linear")["MyRowParallelLinear"]          # not ReturnsPartialSums: no SP engine could take it
+    region = define("sp_norm_region")["MySequenceParallelNormRegion"]
+    result = check_engine({"row_linear": row, "sp_norm_region": region, "pipeline_stage": Stage})
+    assert result.ok is True and "judged there" in result.message, result.message
 
 
 def test_a_pipeline_check_leaves_the_tp_checks_ranks_alone():
