@@ -50,9 +50,11 @@ def test_two_node_groups_run_tp2_x_pp2_and_match_hf(hf_model, tmp_path):
              for node in (0, 1)]
     try:
         logs = [node.communicate(timeout=240)[0] for node in nodes]
-    finally:
+    except subprocess.TimeoutExpired:
         for node in nodes:
             node.kill()
+        logs = [node.communicate()[0] for node in nodes]
+        raise AssertionError("the two node groups did not finish within 240 s:\n" + "\n".join(logs)[-6000:]) from None
     assert all(node.returncode == 0 for node in nodes), "\n".join(logs)[-3000:]
     ranks = _results(out, 4)
     expected = [hf_greedy(hf_model(folder), p, 10)[0] for p in PROMPTS]
