@@ -2,6 +2,7 @@
 and as two node groups (two torchrun processes on 127.0.0.1, each with two ranks) running TP 2 x PP 2."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,13 +47,16 @@ def test_two_node_groups_run_tp2_x_pp2_and_match_hf(hf_model, tmp_path):
     nodes = [subprocess.Popen([str(TORCHRUN), "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(node),
                                "--master_addr", "127.0.0.1", "--master_port", str(port),
                                str(SCRIPT), str(folder), str(out), "2", "2"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)      # its own process group: its ranks are stopped with it
              for node in (0, 1)]
     try:
         logs = [node.communicate(timeout=240)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
+    except subprocess.TimeoutExpired:
+        for node in nodes:                                  # torchrun and its ranks, none left spinning
+            os.killpg(node.pid, signal.SIGKILL)
+        logs = [node.communicate()[0] for node in nodes]
+        raise AssertionError("the two node groups did not finish within 240 s:\n" + "\n".join(logs)[-6000:]) from None
     assert all(node.returncode == 0 for node in nodes), "\n".join(logs)[-3000:]
     ranks = _results(out, 4)
     expected = [hf_greedy(hf_model(folder), p, 10)[0] for p in PROMPTS]
