@@ -26,30 +26,29 @@ PACK_FOR_ROWS = 4
 
 
 @functools.cache
-def onednn_available() -> bool:
-    """Whether this torch build runs oneDNN's inner product here, and gets ``F.linear``'s answer.
-    A cache: a fact about the torch build and the CPU, probed once per process."""
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build runs oneDNN's inner product on ``dtype`` here, and gets ``F.linear``'s answer.
+    A cache: a fact about the torch build and the CPU, probed once per process and dtype. bf16 needs the
+    CPU's own bf16 support (AVX-512 or AVX-NE-CONVERT): on an AVX2-only CPU oneDNN has no bf16 inner
+    product, and a bf16 layer multiplies with ``F.linear`` as HF does."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        x, w = torch.ones(2, 3), torch.ones(4, 3)
+        x, w = torch.ones(2, 3, dtype=dtype), torch.ones(4, 3, dtype=dtype)
         return torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w))
     except (AttributeError, RuntimeError):
         return False
 
 
 @functools.cache
-def packing_available() -> bool:
-    """Whether oneDNN packs fp32 and bf16 weights here and multiplies by them correctly (a cache, as above)."""
-    if not onednn_available():
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN packs ``dtype`` weights here and multiplies by them correctly (a cache, as above)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not onednn_available(dtype):
         return False
     try:
-        for dtype in (torch.float32, torch.bfloat16):
-            x, w = torch.ones(2, 32, dtype=dtype), torch.ones(8, 32, dtype=dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS)
-            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w)):
-                return False
-        return True
+        x, w = torch.ones(2, 32, dtype=dtype), torch.ones(8, 32, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS)
+        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w))
     except (AttributeError, RuntimeError):
         return False
 
@@ -57,15 +56,16 @@ def packing_available() -> bool:
 @dataclass(frozen=True)
 class Gemm:
     """How ``linear`` multiplies: ``Gemm()`` is plain ``F.linear``; ``onednn`` goes through oneDNN's inner
-    product on CPU tensors; ``pack`` lets a layer reorder its weight for it once after loading."""
+    product on CPU tensors; ``pack`` lets a layer reorder its weight for it once after loading. A ``Gemm``
+    is chosen for one dtype, the model's: ``choose`` keeps only what this machine does in that dtype."""
     onednn: bool = False
     pack: bool = False
 
     @classmethod
-    def choose(cls, onednn: bool, pack: bool) -> "Gemm":
-        """What this machine can do of what was asked."""
-        onednn = onednn and onednn_available()
-        return cls(onednn, onednn and pack and packing_available())
+    def choose(cls, onednn: bool, pack: bool, dtype: torch.dtype = torch.float32) -> "Gemm":
+        """What this machine can do of what was asked, for weights and activations of ``dtype``."""
+        onednn = onednn and onednn_available(dtype)
+        return cls(onednn, onednn and pack and packing_available(dtype))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias``; ``weight`` may be a plain tensor or one from ``packed``."""
@@ -74,8 +74,8 @@ class Gemm:
         return F.linear(x, weight, bias)
 
     def can_pack(self, weight: torch.Tensor) -> bool:
-        """Whether ``packed(weight)`` packs: packing chosen, a CPU weight in fp32 or bf16."""
-        return self.pack and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+        """Whether ``packed(weight)`` packs: packing chosen, a CPU weight of a dtype oneDNN packs here."""
+        return self.pack and weight.device.type == "cpu" and packing_available(weight.dtype)
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
         """``weight`` reordered once into oneDNN's blocked layout for ``linear`` (None where it cannot be)."""
