@@ -187,6 +187,21 @@ def check_float32_gemm(paths=None) -> Check:
     return Check("ok", "float32 GEMM", f"{detail} against float64 (float32: under {GEMM_EPS_LIMIT})")
 
 
+def check_bf16_kernels(onednn_bf16: bool | None = None) -> Check:
+    """Whether oneDNN multiplies bf16 on this CPU (it needs AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU has
+    neither). Without it a bf16 engine's linear layers run on ``F.linear``, as HF's do: correct, but no faster
+    than float32 for one sequence (measured on an AVX2 AMD EPYC, Zen 3) and several times slower for a batch."""
+    if onednn_bf16 is None:
+        import torch
+        from tplab.layers.cpu_gemm import packing_available
+        onednn_bf16 = packing_available(torch.bfloat16)
+    if onednn_bf16:
+        return Check("ok", "bf16 kernels", "oneDNN bf16 with packed weights: dtype='bfloat16' streams half fp32's bytes")
+    return Check("ok", "bf16 kernels", "none in oneDNN on this CPU (they need AVX-512 or AVX-NE-CONVERT): "
+                 "dtype='bfloat16' runs on F.linear, no faster than float32 here and slower for batches; "
+                 "the notebooks run float32")
+
+
 def run_two_ranks() -> float:
     """Start the shipped tiny model at TP 2, generate 8 greedy tokens, check them against TP 1.
     Returns the seconds it took, ranks' start included."""
@@ -240,7 +255,7 @@ def gather() -> list[Check]:
         checks.append(Check("FAIL", "memory", "psutil is missing", "`rm -rf .venv` and run ./workbook.sh doctor again"))
     checks += [check_shared_memory(), check_kernel(), check_saved_python()]
     if "error" not in facts:
-        checks.append(check_float32_gemm())
+        checks += [check_float32_gemm(), check_bf16_kernels()]
         ranks, seconds = check_ranks()
         checks += [ranks] + slow_notebooks(seconds)
     return checks

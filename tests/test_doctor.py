@@ -93,3 +93,9 @@ def test_float32_gemm_paths_here_are_float32_and_a_bf16_path_is_named():
     check = doctor.check_float32_gemm(bf16)
     assert check.status == "warn" and "bf16 inputs is not float32" in check.detail and "F.linear (HF) is" not in check.detail
     assert "TPLAB_ONEDNN=0" in check.fix
+
+
+def test_bf16_kernels_say_what_a_bf16_engine_runs_on():
+    assert "streams half" in doctor.check_bf16_kernels(True).detail
+    without = doctor.check_bf16_kernels(False)
+    assert without.status == "ok" and "F.linear" in without.detail and "float32" in without.detail
