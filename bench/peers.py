@@ -257,6 +257,8 @@ def main():
     ap.add_argument("--setup", action="store_true", help=f"install the peers into {PEERS_DIR} and stop")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=",".join(ITEMS))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results file (default bench/results.json): another CPU's run goes in a file of its own")
     ap.add_argument("--child-prefill", nargs=3, metavar=("ENGINE", "CKPT", "LEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_prefill:
@@ -276,7 +278,7 @@ def main():
         rows += ITEMS[item](ckpt, cfg, args.quick)
     print(f"\n# tplab vs peers: {settings.name}, greedy; {common.machine()}\n")
     print_table(rows)
-    out = BENCH / ("results-peers-quick.json" if args.quick else "results.json")
+    out = args.out or BENCH / ("results-peers-quick.json" if args.quick else "results.json")
     doc = json.loads(out.read_text()) if out.exists() else {}
     earlier = doc.get("peers", {})
     same = common.same_machine(earlier.get("machine", {}), machine)   # rows of another machine are not kept
@@ -285,7 +287,8 @@ def main():
     kept = [r for r in earlier.get("rows", []) if same and r["name"] not in {x.name for x in rows}]
     doc["peers"] = {"machine": machine, "settings": cfg, "checkpoint": str(ckpt), "rows": kept + rows_to_json(rows),
                     "seconds": time.perf_counter() - t0, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "command": "python bench/peers.py" + (" --quick" if args.quick else "")}
+                    "command": "python bench/peers.py" + (" --quick" if args.quick else "")
+                               + (f" --only {args.only}" if args.only != ",".join(ITEMS) else "")}
     out.write_text(json.dumps(doc, indent=2, default=str))
     log(f"wrote {out}")
 
