@@ -1,5 +1,6 @@
 """Per-layer golden comparison against HF: exact where it should be, and it points at the broken sublayer."""
 import pytest
+import torch
 
 from tplab import golden
 
@@ -25,3 +26,19 @@ def test_a_bug_is_found_at_the_first_attention(checkpoint, reference, bug):
     assert all(r.max_abs == 0 for r in rows[:2])                    # embedding and first norm untouched
     if bug == "mask_mul_inf":
         assert rows[2].nonfinite > 0                                 # NaN from 0 * -inf
+
+
+@pytest.mark.parametrize("set_it", [
+    lambda: torch.set_float32_matmul_precision("medium"),               # bf16 in oneDNN on an AMX CPU
+    lambda: torch.set_float32_matmul_precision("high"),                 # tf32 on CUDA
+    lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"),
+], ids=["legacy medium", "legacy high", "mkldnn bf16"])
+def test_a_reference_is_refused_while_fp32_matmuls_may_round(checkpoint, set_it):
+    # On an AMX Xeon "medium" made HF and tplab agree to the last bit, both in bf16: a diff that sees nothing
+    set_it()
+    try:
+        with pytest.raises(RuntimeError, match=r"set_float32_matmul_precision\('highest'\)"):
+            golden.hf_activations(checkpoint("untied"), PROMPT)
+    finally:
+        torch.set_float32_matmul_precision("highest")                   # every backend's matmuls: ieee
+    golden.hf_activations(checkpoint("untied"), PROMPT)                 # and taken again once it is reset

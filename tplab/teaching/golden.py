@@ -27,9 +27,29 @@ def activation_names(num_layers: int) -> list[str]:
     return names + ["model.norm", "logits"]
 
 
+def require_float32_matmuls() -> None:
+    """Refuse to take a reference while fp32 matrix products may round their inputs (tf32, bf16).
+
+    ``torch.set_float32_matmul_precision("medium")`` (or ``"high"``, or the backends' ``fp32_precision``)
+    makes oneDNN multiply fp32 in bf16 on a CPU with AMX (and CUDA in tf32): HF's reference and tplab then
+    round the same way and agree to the last bit (measured on an AMX Xeon), so a per-sublayer diff
+    against that reference shows nothing while both are about 2e4 fp32 eps off."""
+    set_to = {name: getattr(getattr(torch.backends, name).matmul, "fp32_precision", "none")
+              for name in ("mkldnn", "cuda")}
+    rounded = {name: value for name, value in set_to.items() if value not in ("none", "ieee")}
+    if rounded:
+        raise RuntimeError(
+            f"fp32 matmuls are set to round their inputs ({', '.join(f'{k}: {v}' for k, v in rounded.items())}), "
+            "so HF's reference is not fp32 and tplab would round the same way: a diff against it cannot see "
+            "a bug. Run torch.set_float32_matmul_precision('highest') (or set torch.backends.fp32_precision = "
+            "'ieee') before comparing.")
+
+
 def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor]:
-    """HF ``Qwen2ForCausalLM``'s activations (fp32 on CPU, HF's default attention) for one prompt."""
+    """HF ``Qwen2ForCausalLM``'s activations (fp32 on CPU, HF's default attention) for one prompt.
+    Refused while fp32 matmuls may round (``require_float32_matmuls``)."""
     from transformers import Qwen2ForCausalLM
+    require_float32_matmuls()
     model = model_or_dir if isinstance(model_or_dir, torch.nn.Module) else \
         Qwen2ForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
     names = activation_names(model.config.num_hidden_layers)
