@@ -21,7 +21,7 @@ def test_a_stage_written_from_scratch_passes(tp):
     assert Stage.__mro__[1] is object                                  # not a subclass of tplab's
     result = check_part("pipeline_stage", Stage, tensor_parallel_size=tp)
     assert result.ok is True, result.message
-    assert f"greedy tokens equal HF's" in result.message and f"TP {tp} x PP 2" in result.message
+    assert "greedy tokens equal HF's" in result.message and f"TP {tp} x PP 2" in result.message
 
 
 class Stub(Stage):
