@@ -41,8 +41,7 @@ def require_float32_matmuls() -> None:
         raise RuntimeError(
             f"fp32 matmuls are set to round their inputs ({', '.join(f'{k}: {v}' for k, v in rounded.items())}), "
             "so HF's reference is not fp32 and tplab would round the same way: a diff against it cannot see "
-            "a bug. Run torch.set_float32_matmul_precision('highest') (or set torch.backends.fp32_precision = "
-            "'ieee') before comparing.")
+            "a bug. Run torch.set_float32_matmul_precision('highest') before comparing.")
 
 
 def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor]:
