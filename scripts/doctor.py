@@ -189,7 +189,7 @@ def check_float32_gemm(paths=None) -> Check:
 
 def check_bf16_kernels(onednn_bf16: bool | None = None) -> Check:
     """Whether oneDNN multiplies bf16 on this CPU (it needs AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU has
-    neither). Without it a bf16 engine's linear layers run on ``F.linear``, as HF's do: correct, but no faster
+    neither). Without it a bf16 engine's linear layers run on ``F.linear``, as HF's do: correct, but little faster
     than float32 for one sequence (measured on an AVX2 AMD EPYC, Zen 3) and several times slower for a batch."""
     if onednn_bf16 is None:
         import torch
@@ -198,7 +198,7 @@ def check_bf16_kernels(onednn_bf16: bool | None = None) -> Check:
     if onednn_bf16:
         return Check("ok", "bf16 kernels", "oneDNN bf16 with packed weights: dtype='bfloat16' streams half fp32's bytes")
     return Check("ok", "bf16 kernels", "none in oneDNN on this CPU (they need AVX-512 or AVX-NE-CONVERT): "
-                 "dtype='bfloat16' runs on F.linear, no faster than float32 here and slower for batches; "
+                 "dtype='bfloat16' runs on F.linear, little faster than float32 here and slower for batches; "
                  "the notebooks run float32")
 
 
