@@ -336,13 +336,23 @@ def test_close_destroys_each_rank_group_and_leaves_no_processes(group2, tmp_path
     assert live_children() <= children_before_this_module
 
 
-def test_a_survivors_connection_error_is_reported_as_the_peers_death(no_new_children):
+def test_a_survivors_connection_error_is_reported_as_the_peers_death(no_new_children, tmp_path):
     """When a rank is killed, its peer's collective fails with a reset connection, and that error can
-    reach the driver before the death does: the death is what the error names."""
+    reach the driver before the death does: the death is what the error names. Here the error is sent
+    first for certain (rank 1 dies only once rank 0 is raising); when the death is noticed first, it is
+    reported on its own, which is the other order of the same race."""
+    raising = tmp_path / "rank0-raising"
+
     def die_on_rank_1_reset_on_rank_0():
+        import time
+
         import torch.distributed as dist
         if dist.get_rank() == 1:
+            while not raising.exists():
+                time.sleep(0.005)
+            time.sleep(0.05)                       # rank 0's error is on its way to the driver by now
             os.kill(os.getpid(), signal.SIGKILL)
+        raising.touch()
         raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
 
     with pytest.raises(RankError, match=r"rank 1 died \(signal 9.*then rank 0 failed: RuntimeError") as info:
