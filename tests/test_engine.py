@@ -72,6 +72,24 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
     assert a == b and a != c
 
 
+def test_greedy_picks_the_first_of_tied_maxima_as_argmax_does():
+    """The sampler takes the greedy token from ``max`` (faster than ``argmax`` on CPU): the same index
+    where a row's maximum appears twice (the first), holds NaN (the NaN's) or is -inf throughout (0),
+    over rows as long as a real vocabulary, where the reduction is split between threads."""
+    import torch
+    from tplab.engine.sampling import sample
+    logits = torch.randn(5, 151_936, generator=torch.Generator().manual_seed(0))
+    logits[0, [9, 140_000]] = 50.0                 # tied, far apart: in different threads' halves
+    logits[1, [70_000, 80_000]] = 50.0
+    logits[2, 123] = float("nan")
+    logits[3] = float("-inf")
+    tokens, logprobs = sample(logits, [SamplingParams()] * 5, [None] * 5)
+    assert tokens.tolist()[:4] == [9, 70_000, 123, 0]
+    assert torch.equal(tokens, logits.argmax(-1))
+    expected = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs, expected, rtol=0, atol=0, equal_nan=True)
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy(llm):
     greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
     for p in (SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True),
