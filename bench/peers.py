@@ -111,6 +111,19 @@ def tplab_engines(ckpt, compile: bool, **settings) -> dict:
     return out
 
 
+def release(llms: dict) -> None:
+    """Shut the engines down and give their memory back to the OS now: the engine keeps freed memory mapped
+    for its own reuse (``tplab.engine.malloc``), and the next row's engines and peer need it (two fp32 engines
+    and vLLM TP 2 beside them ran a 24 GiB machine out of memory)."""
+    import ctypes
+    import gc
+    for llm in llms.values():
+        llm.shutdown()
+    llms.clear()
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+
+
 def compiled_row(name, rates, tokens, peer, peer_name, note=""):
     """The row of tplab compiled against ``peer``; its tokens also checked equal to tplab eager's."""
     r = row(f"{name}, {COMPILED}", rates, tokens, COMPILED, peer, peer_name, note=note)
@@ -136,8 +149,7 @@ def run_decode(ckpt, cfg, quick, compile=False):
             if compile:
                 rows.append(compiled_row(what, rates, tokens, kind, name, note=note))
     finally:
-        for llm in llms.values():
-            llm.shutdown()
+        release(llms)
     return rows
 
 
@@ -153,8 +165,7 @@ def run_batch16(ckpt, cfg, quick, compile=False):
             finally:
                 peer.close()
         finally:
-            for llm in llms.values():
-                llm.shutdown()
+            release(llms)
         what, note = f"16 concurrent requests, TP {tp}", f"prompts of {len(prompts[0])}-{len(prompts[-1])} tokens, {n} new each"
         rows.append(row(what, rates, tokens, "tplab", "vllm", f"vLLM CPU TP {tp}", note=note))
         if compile:
@@ -223,8 +234,7 @@ def run_bf16(ckpt, cfg, quick, compile=False):
         rates, tokens = rounds({**{k: tplab_gen(v) for k, v in llms.items()}, "hf": hf_gen(hf)}, prompt, n,
                                cfg["reps"], True)
     finally:
-        for llm in llms.values():
-            llm.shutdown()
+        release(llms)
     extra = [Row(f"decode, batch 1, bf16 vs HF bf16, {COMPILED}", median(rates[COMPILED]), median(rates["hf"]),
                  "tok/s", "HF bf16", ratio=paired(rates[COMPILED], rates["hf"]), target=">= 1.0",
                  note="bf16 tokens part from any other engine's within a few on this random checkpoint"),
