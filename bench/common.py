@@ -16,12 +16,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tplab.engine.malloc import HUGE_PAGES, ask_torch_for_huge_pages, kernel_thp_mode  # noqa: E402
-
-# torch's CPU allocator on huge pages, as `import tplab` sets it, but before anything in this process allocates:
-# so HF, run beside tplab here, gets them too, and so do the peers, which inherit the environment
-ask_torch_for_huge_pages()
-
 import torch  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -251,8 +245,7 @@ def machine_info() -> dict:
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "logical_cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "load_average_at_start": os.getloadavg(),
-            "huge_pages": {HUGE_PAGES: os.environ.get(HUGE_PAGES), "kernel_thp": kernel_thp_mode()}}
+            "platform": platform.platform(), "load_average_at_start": os.getloadavg()}
 
 
 def machine() -> str:

@@ -51,13 +51,3 @@ def ask_torch_for_huge_pages() -> bool:
     if sys.platform.startswith("linux") and os.environ.get("TPLAB_MALLOC_TUNE", "1") != "0":
         os.environ.setdefault(HUGE_PAGES, "1")
     return os.environ.get(HUGE_PAGES, "0") != "0"
-
-
-def kernel_thp_mode() -> str | None:
-    """The kernel's transparent-huge-page mode: ``always``, ``madvise`` (what torch asks for gets them) or
-    ``never``; None where the kernel does not say (not Linux)."""
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return None
-    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
