@@ -14,15 +14,11 @@ import importlib.abc
 import importlib.util
 import sys
 
-from tplab.engine.malloc import ask_torch_for_huge_pages
-
-ask_torch_for_huge_pages()               # before torch allocates: weights on huge pages (tplab/engine/malloc.py)
-
-from tplab import models  # noqa: E402
-from tplab.distributed.launcher import launch  # noqa: E402
-from tplab.engine.llm import LLM, RequestOutput  # noqa: E402
-from tplab.engine.parts import Parts  # noqa: E402
-from tplab.engine.sampling import SamplingParams  # noqa: E402
+from tplab import models
+from tplab.distributed.launcher import launch
+from tplab.engine.llm import LLM, RequestOutput
+from tplab.engine.parts import Parts
+from tplab.engine.sampling import SamplingParams
 
 _TEACHING = ("bugs", "exercises", "golden", "workbook", "plotting")
 

@@ -9,18 +9,9 @@ made a 16-sequence decode step's KV gathers three to five times slower than copy
 from memory already mapped. vLLM's CPU backend has the same problem and recommends preloading
 tcmalloc; raising glibc's two thresholds (``mallopt``) does the same job without another library.
 The cost: memory freed after a peak (a long prefill) stays in the process for the next one.
-
-And ask torch for huge pages (``ask_torch_for_huge_pages``, at ``import tplab``): a decode step streams
-every weight once, 2 GB for Qwen2.5-0.5B in fp32, and on 4 KiB pages that is half a million TLB entries
-walked per step. torch's CPU allocator backs its blocks of 2 MiB and more with transparent huge pages
-when ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU tuning guide); it reads the variable at its first
-allocation, so tplab sets it before torch allocates anything, and rank processes inherit it. Measured on
-2 cores of an Intel Xeon (README): batch-1 decode 4-7% faster, a 16-sequence decode step 2-6%, peak
-memory the same.
 """
 import ctypes
 import ctypes.util
-import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3     # mallopt's parameter numbers (malloc.h)
@@ -39,15 +30,3 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):                   # not glibc
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-
-
-HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"             # read by torch's CPU allocator (c10) at its first allocation
-
-
-def ask_torch_for_huge_pages() -> bool:
-    """Set ``THP_MEM_ALLOC_ENABLE=1`` unless the environment already says (``=0`` keeps torch's 4 KiB pages) or
-    ``TPLAB_MALLOC_TUNE=0``; Linux only. Whether it is on. Call it before torch allocates: ``tplab`` does at
-    import, and a process that made tensors before importing tplab keeps torch's default, same results."""
-    if sys.platform.startswith("linux") and os.environ.get("TPLAB_MALLOC_TUNE", "1") != "0":
-        os.environ.setdefault(HUGE_PAGES, "1")
-    return os.environ.get(HUGE_PAGES, "0") != "0"
