@@ -64,9 +64,6 @@ def setup(which=("ct2", "vllm")) -> None:
         {"vllm": setup_vllm, "ct2": setup_ct2}[name]()
 
 
-if __name__ == "__main__":
-    setup(sys.argv[1:] or ("ct2", "vllm"))
-
 
 class Peer:
     """A peer engine in its own process and venv (bench/peer_worker.py), kept loaded between calls."""
@@ -119,3 +116,7 @@ class Peer:
             self.proc.wait(timeout=120)
         except Exception:  # noqa: BLE001 - a peer that will not stop is killed
             self.proc.kill()
+
+
+if __name__ == "__main__":
+    setup(sys.argv[1:] or ("ct2", "vllm"))

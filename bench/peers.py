@@ -34,9 +34,8 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from common import (QWEN25_05B, Row, checkpoint, log, machine_info, median, paired, print_table,  # noqa: E402
                     prompt_ids, rows_to_json)
-from peer_setup import PEERS_DIR, Peer, setup  # noqa: E402
+from peer_setup import BENCH, PEERS_DIR, Peer, setup  # noqa: E402
 
-BENCH = Path(__file__).resolve().parent
 # --quick: Qwen2.5-0.5B's heads (head_dim 64: vLLM's CPU attention needs it), 2 layers, a small vocabulary
 PEERS_QUICK = dict(QWEN25_05B, num_hidden_layers=2, intermediate_size=1216, vocab_size=16384,
                    max_position_embeddings=4096)
