@@ -4,6 +4,10 @@ concurrent requests, and a prefill of ``prefill_len`` tokens, rounds alternating
 reversed every other round, ratios the median of per-round ratios); greedy tokens compared. Then what
 compiling costs: a fresh process starts the engine and generates 2 tokens (a prefill and one decode step,
 the two graphs), eager, compiled with an empty inductor cache, and compiled again with that cache.
+
+The two engines are built eager first; ``TPLAB_BENCH_REVERSE_BUILD=1`` builds the compiled one first. On the
+Xeon VM of the README the engine built second decoded 5-14% faster, either engine: run both orders
+(bench/README.md, "Build order").
 """
 import json
 import os
@@ -19,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from common import (Row, Settings, decode_bytes_per_token, interleaved, log, machine_info, median, paired,  # noqa: E402
-                    prompt_ids, read_bandwidth, standalone)
+                    build_order, prompt_ids, read_bandwidth, standalone)
 
 START = textwrap.dedent("""
     import sys, time
@@ -85,7 +89,10 @@ def run(ckpt, s: Settings):
         f"prefill {s.prefill_len}; then start times in fresh processes")
     settings = dict(tensor_parallel_size=1, dtype="float32", max_num_seqs=s.batch_requests,
                     kv_cache_memory=512 << 20)
-    eager, compiled = LLM(ckpt, **settings), LLM(ckpt, compile=True, **settings)
+    order = build_order(["eager", "compiled"])          # TPLAB_BENCH_REVERSE_BUILD=1: compiled first
+    log(f"[compiled] built in the order {order}")
+    made = {k: LLM(ckpt, compile=k == "compiled", **settings) for k in order}
+    eager, compiled = made["eager"], made["compiled"]
     try:
         t0 = time.perf_counter()
         generate(compiled, [prompt_ids(8)], 2)           # compiles here (or loads from the cache)

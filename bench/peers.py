@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 from common import (QWEN25_05B, Row, checkpoint, log, machine_info, median, paired, print_table,  # noqa: E402
-                    prompt_ids, rows_to_json)
+                    build_order, prompt_ids, rows_to_json)
 from peer_setup import BENCH, PEERS_DIR, Peer, setup  # noqa: E402
 
 # --quick: Qwen2.5-0.5B's heads (head_dim 64: vLLM's CPU attention needs it), 2 layers, a small vocabulary
@@ -102,12 +102,12 @@ COMPILED = "tplab compile=True"
 
 
 def tplab_engines(ckpt, compile: bool, **settings) -> dict:
-    """tplab eager, and with ``compile`` also compiled, under the names the rounds and rows use."""
+    """tplab eager, and with ``compile`` also compiled, under the names the rounds and rows use; built eager
+    first, or compiled first with ``TPLAB_BENCH_REVERSE_BUILD=1`` (``common.build_order``)."""
     from tplab import LLM
-    out = {"tplab": LLM(ckpt, **settings)}
-    if compile:
-        out[COMPILED] = LLM(ckpt, compile=True, **settings)
-    return out
+    make = {"tplab": settings, COMPILED: dict(settings, compile=True)}
+    built = {k: LLM(ckpt, **make[k]) for k in build_order(["tplab", COMPILED] if compile else ["tplab"])}
+    return {k: built[k] for k in make if k in built}
 
 
 def release(llms: dict) -> None:
@@ -290,7 +290,8 @@ def main():
                     "seconds": time.perf_counter() - t0, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "command": "python bench/peers.py" + (" --quick" if args.quick else "")
                                + (f" --only {args.only}" if args.only != ",".join(ITEMS) else "")
-                               + (" --compile" if args.compile else "")}
+                               + (" --compile" if args.compile else ""),
+                    "build_order": build_order(["tplab", COMPILED] if args.compile else ["tplab"])}
     out.write_text(json.dumps(doc, indent=2, default=str))
     log(f"wrote {out}")
 

@@ -21,8 +21,9 @@ lookup, rotate-half, the products and sums, for q and k), SiLU-and-mul and the l
 five loops in C++ instead of about 40 dispatched ops a layer; and the whole step is one call, its guards
 checked once. The first version compiled one decoder layer and ran that graph for every layer: each
 layer then paid dynamo's guard check and its graph's call, about what the fused ops saved, and 16
-requests ran no faster than eager. The whole forward as one graph decodes one sequence 1.10x faster
-than eager, and a step of 16 sequences 1.18x (medians of paired rounds, 2 cores of an Intel Xeon; README).
+requests ran no faster than eager. The whole forward as one graph decodes one sequence about 1.06x faster
+than eager, and a step of 16 sequences about 1.03x (2 cores of an Intel Xeon, paired rounds with the two
+engines built in both orders, which moves each ratio by about 5% on that VM; README).
 The collectives outside linear layers (the embedding's, sequence parallelism's) are ops of the graph too
 (``_collectives_as_ops``). The LM head stays eager.
 
