@@ -26,7 +26,6 @@ Ratios are medians over rounds of per-round ratios (``common.paired``); the roun
 the order reversed every other round. Not part of CI.
 """
 import argparse
-import os
 import random
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import QUICK_SHAPE, QWEN25_05B, interleaved, machine, median, paired, set_threads  # noqa: E402
+from common import QUICK_SHAPE, QWEN25_05B, Settings, interleaved, machine, median, paired, set_threads  # noqa: E402
 from tplab.layers.cpu_gemm import Gemm  # noqa: E402
 from tplab.layers.paged_decode import decode_blocks, paged_decode  # noqa: E402
 
@@ -61,15 +60,18 @@ def kernels(shape: dict, dtype: torch.dtype, rows: int) -> tuple[dict, int]:
              for n, (o, i) in layer_shapes(shape).items()}
     xs = {i: torch.randn(rows, i).to(dtype) for _, i in layer_shapes(shape).values()}   # one input per width
     nbytes = sum(w.numel() * w.element_size() for ws in plain.values() for w in ws)
-    gemm = Gemm(onednn=True, pack=True)                                                  # as tplab packs
-    packed = [(xs[w.shape[1]], gemm.packed(w)) for ws in plain.values() for w in ws]
+    gemm = Gemm.choose(onednn=True, pack=True, dtype=dtype)        # what this machine does in dtype, as tplab
     flat = [(xs[w.shape[1]], w) for ws in plain.values() for w in ws]
-    fns = {"oneDNN packed": lambda: [_onednn(x, w) for x, w in packed],
-           "oneDNN plain": lambda: [_onednn(x, w) for x, w in flat],
-           "F.linear": lambda: [F.linear(x, w) for x, w in flat]}
+    fns = {}
+    if gemm.pack:
+        packed = [(x, gemm.packed(w)) for x, w in flat]
+        fns["oneDNN packed"] = lambda: [_onednn(x, w) for x, w in packed]
+    if gemm.onednn:
+        fns["oneDNN plain"] = lambda: [_onednn(x, w) for x, w in flat]
+    fns["F.linear"] = lambda: [F.linear(x, w) for x, w in flat]
     if rows == 1:
         fns["torch.mv"] = lambda: [torch.mv(w, x[0]) for x, w in flat]
-    return fns, nbytes
+    return fns, nbytes              # a kernel oneDNN does not offer here for dtype is left out
 
 
 def read_sum(gib: float):
@@ -83,9 +85,9 @@ def gemm(shape, rounds, gib) -> None:
     print("\n## gemm: the layers' matrices, fp32, every kernel, ms (median) and GB/s")
     for rows in (1, 16, 512):
         fns, nbytes = kernels(shape, torch.float32, rows)
-        fns["read 1 GiB (x.sum)"] = read
+        fns["read (x.sum)"] = read
         t = interleaved(fns, rounds if rows < 512 else max(2, rounds // 2))
-        bw = [read_bytes / s for s in t.pop("read 1 GiB (x.sum)")]
+        bw = [read_bytes / s for s in t.pop("read (x.sum)")]
         best = min(t, key=lambda k: median(t[k]))
         print(f"\n{rows} row(s), {nbytes / 1e9:.2f} GB of weights; read bandwidth {median(bw) / 1e9:.1f} GB/s")
         print("| kernel | ms | GB/s | fraction of the read bandwidth | time / fastest |\n|---|---|---|---|---|")
@@ -100,10 +102,10 @@ def bf16(shape, rounds) -> None:
     print("\n## bf16: the layers' matrices at one row, against fp32's fastest kernel in the same rounds")
     f32, b32 = kernels(shape, torch.float32, 1)
     f16, b16 = kernels(shape, torch.bfloat16, 1)
-    fns = {f"fp32 {k}": f32[k] for k in ("oneDNN packed", "F.linear")}
-    fns.update({f"bf16 {k}": f16[k] for k in ("oneDNN packed", "torch.mv", "F.linear")})
+    fns = {f"fp32 {k}": f32[k] for k in ("oneDNN packed", "F.linear") if k in f32}
+    fns.update({f"bf16 {k}": f16[k] for k in ("oneDNN packed", "torch.mv", "F.linear") if k in f16})
     t = interleaved(fns, rounds)
-    fp32_best = [min(a, b) for a, b in zip(t["fp32 oneDNN packed"], t["fp32 F.linear"])]
+    fp32_best = [min(r) for r in zip(*(v for k, v in t.items() if k.startswith("fp32")))]
     print("| kernel | ms | GB/s | fp32's fastest / this |\n|---|---|---|---|")
     for k, v in t.items():
         nbytes = b32 if k.startswith("fp32") else b16
@@ -160,7 +162,7 @@ def main():
     ap.add_argument("--only", default="gemm,bf16,attention")
     args = ap.parse_args()
     shape = QUICK_SHAPE if args.quick else QWEN25_05B
-    set_threads(len(os.sched_getaffinity(0)))
+    set_threads(Settings.make(args.quick).threads)                  # the cores, as every bench item
     print(f"# {machine()}, {torch.get_num_threads()} torch threads")
     only = set(args.only.split(","))
     with torch.inference_mode():
