@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import Settings, checkpoint, inproc_engine, machine, median, set_threads  # noqa: E402
+from common import Settings, checkpoint, inproc_engine, layer_shapes, machine, median, set_threads  # noqa: E402
 from peers import COMPILED, FULL, PEERS_QUICK, QUICK, batch_prompts, release, tplab_engines, tplab_gen  # noqa: E402
+from tplab.layers.cpu_gemm import Gemm  # noqa: E402
 
 
 def engine_split(engines: dict, prompts, n: int, rounds: int) -> dict:
@@ -70,18 +71,17 @@ def compiled_parts(llm, prompts, n: int) -> dict:
 
 def gemm_floor(shape: dict, rows: int, reps: int = 9) -> float:
     """ms for every weight matrix of ``shape`` (the LM head too), oneDNN packed, ``rows`` rows, chained."""
-    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    d = h // shape["num_attention_heads"]
-    qkv = (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * d
-    shapes = [(qkv, h), (h, h), (2 * i, h), (h, i)] * layers + [(shape["vocab_size"], h)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k) * 0.02, 4) for n, k in shapes]
+    shapes = list(layer_shapes(shape).values()) * shape["num_hidden_layers"] + [(shape["vocab_size"],
+                                                                                shape["hidden_size"])]
+    gemm = Gemm(onednn=True, pack=True)
+    packed = [gemm.packed(torch.randn(n, k) * 0.02) for n, k in shapes]
     xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
     times = []
     with torch.inference_mode():
         for _ in range(reps):
             t0 = time.perf_counter()
             for (_, k), w in zip(shapes, packed):
-                torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+                gemm.linear(xs[k], w)
             times.append(time.perf_counter() - t0)
     return median(times[1:]) * 1e3
 

@@ -36,21 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import QUICK_SHAPE, QWEN25_05B, Settings, interleaved, machine, median, paired, set_threads  # noqa: E402
+from common import (QUICK_SHAPE, QWEN25_05B, Settings, interleaved, layer_shapes, machine, median, paired,  # noqa: E402
+                    set_threads)
 from tplab.layers.cpu_gemm import Gemm  # noqa: E402
 from tplab.layers.paged_decode import decode_blocks, paged_decode  # noqa: E402
-
-
-def layer_shapes(shape: dict) -> dict:
-    """``{name: (out, in)}`` of one decoder layer's weight matrices at TP 1."""
-    h, i, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
-    d = h // heads
-    return {"qkv_proj": ((heads + 2 * shape["num_key_value_heads"]) * d, h), "o_proj": (h, h),
-            "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
-
-
-def _onednn(x, w):
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
 def kernels(shape: dict, dtype: torch.dtype, rows: int) -> tuple[dict, int]:
@@ -65,9 +54,9 @@ def kernels(shape: dict, dtype: torch.dtype, rows: int) -> tuple[dict, int]:
     fns = {}
     if gemm.pack:
         packed = [(x, gemm.packed(w)) for x, w in flat]
-        fns["oneDNN packed"] = lambda: [_onednn(x, w) for x, w in packed]
+        fns["oneDNN packed"] = lambda: [gemm.linear(x, w) for x, w in packed]
     if gemm.onednn:
-        fns["oneDNN plain"] = lambda: [_onednn(x, w) for x, w in flat]
+        fns["oneDNN plain"] = lambda: [gemm.linear(x, w) for x, w in flat]
     fns["F.linear"] = lambda: [F.linear(x, w) for x, w in flat]
     if rows == 1:
         fns["torch.mv"] = lambda: [torch.mv(w, x[0]) for x, w in flat]

@@ -154,6 +154,15 @@ def read_bandwidth(gib: float = 1.0, reps: int = 5) -> dict:
             "copy_bytes_per_s": 2 * nbytes / median(copies), "tensor_bytes": nbytes, "threads": torch.get_num_threads()}
 
 
+def layer_shapes(shape: dict) -> dict:
+    """``{name: (out, in)}`` of one decoder layer's weight matrices at TP 1, as tplab holds them (q, k, v in one
+    ``qkv_proj``, gate and up in one ``gate_up_proj``)."""
+    h, i, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
+    d = h // heads
+    return {"qkv_proj": ((heads + 2 * shape["num_key_value_heads"]) * d, h), "o_proj": (h, h),
+            "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
+
+
 def decode_bytes_per_token(shape: dict, itemsize: int = 4, tp_size: int = 1) -> int:
     """Weight bytes one decode step reads on one rank: every layer's weights, the final norm and the LM
     head (the whole vocab x hidden matrix; the embedding lookup reads one row, counted as nothing)."""

@@ -64,7 +64,6 @@ def setup(which=("ct2", "vllm")) -> None:
         {"vllm": setup_vllm, "ct2": setup_ct2}[name]()
 
 
-
 class Peer:
     """A peer engine in its own process and venv (bench/peer_worker.py), kept loaded between calls."""
 
