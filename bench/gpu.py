@@ -1,0 +1,211 @@
+"""tplab TP 1 on a GPU against HF ``generate`` on the same GPU: greedy tokens, decode rates, memory, and whether
+``torch.compile`` (tplab's compiled path; HF's static cache, whose compiled forward runs as CUDA graphs) helps.
+
+Per dtype (fp32, bf16), on the 0.5B-shape random checkpoint (``common.checkpoint``):
+- batch 1: a 32-token prompt, decode rate = (n - 1) / (time of an n-token generate - time of a 1-token one),
+  so prefill and the first token are taken out; paired rounds (``common.interleaved``), CUDA synchronised;
+- 16 requests of 32 tokens (equal lengths, so HF needs no padding), the same decode rate over all rows;
+- tokens: how many of tplab's greedy tokens equal HF's, from the start (a random checkpoint has near-ties, so a
+  late divergence in bf16 is rounding; ``tests/test_gpu.py`` holds exact parity on the trained checkpoint);
+- memory: bytes the weights hold on the GPU, and the peak a generate adds above what was allocated before it.
+
+Without CUDA it says so and exits 0. ``--device cpu --quick`` runs every step on the CPU (a dry run of this
+script). Results go to ``--out`` (JSON) after every section, so a run cut off keeps what it measured.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import Settings, checkpoint, interleaved, log, machine_info, median, paired, prompt_ids  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Clock:
+    """Seconds since the start; ``over`` once ``budget`` is spent (later sections are skipped, and say so)."""
+
+    def __init__(self, budget: float):
+        self.t0, self.budget = time.perf_counter(), budget
+
+    @property
+    def over(self) -> bool:
+        return time.perf_counter() - self.t0 > self.budget
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def hf_runner(model, device):
+    def run(prompts, n):
+        ids = torch.tensor(prompts, device=device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+        sync(device)
+        return out[:, ids.shape[1]:].tolist()
+    return run
+
+
+def tplab_runner(llm, device):
+    from tplab import SamplingParams
+
+    def run(prompts, n):
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        sync(device)
+        return [o.token_ids for o in outs]
+    return run
+
+
+def decode_rates(runners: dict, prompts, n: int, reps: int) -> dict:
+    """``{name: decode tok/s}`` (all rows together), and the paired ratio of each to the first name."""
+    fns = {}
+    for name, run in runners.items():
+        fns[name + ":n"] = lambda run=run: run(prompts, n)
+        fns[name + ":1"] = lambda run=run: run(prompts, 1)
+    times = interleaved(fns, reps)
+    rows = len(prompts) * (n - 1)
+    per_round = {k: [rows / (a - b) for a, b in zip(times[k + ":n"], times[k + ":1"])] for k in runners}
+    first = next(iter(runners))
+    return {k: {"tok_s": median(v), "vs_" + first: paired(v, per_round[first])} for k, v in per_round.items()}
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def memory_of(build, device):
+    """``(the object build() returns, bytes it left allocated on the GPU)``; 0 bytes on the CPU."""
+    cuda = torch.device(device).type == "cuda"
+    before = torch.cuda.memory_allocated() if cuda else 0
+    obj = build()
+    return obj, (torch.cuda.memory_allocated() - before if cuda else 0)
+
+
+def peak_added(run, device) -> int:
+    if torch.device(device).type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def measure(runners: dict, one, batch, args, res: dict, clock: Clock, tag: str) -> None:
+    """Tokens against HF's (``runners["hf"]`` comes first), peak memory and decode rates of ``runners``."""
+    want1, want16 = runners["hf"](one, args.new), runners["hf"](batch, args.new)
+    for k, run in runners.items():
+        got1, got16 = run(one, args.new), run(batch, args.new)
+        res.setdefault("tokens", {})[k] = {"batch1_leading_equal": leading_equal(got1[0], want1[0]), "of": args.new,
+                                           "batch_leading_equal": [leading_equal(g, w) for g, w in zip(got16, want16)]}
+        res.setdefault("peak_added_bytes", {})[k] = peak_added(lambda run=run: run(batch, args.new), args.device)
+    for rows, prompts in (("batch1", one), (f"batch{args.batch}", batch)):
+        if clock.over:
+            res.setdefault(tag, {})[rows] = "skipped: out of time"
+            continue
+        res.setdefault(tag, {})[rows] = rates = decode_rates(runners, prompts, args.new, args.reps)
+        log(f"{tag} {rows}: " + ", ".join(f"{k} {v['tok_s']:.1f} tok/s" for k, v in rates.items()))
+
+
+def first_calls(run, one, batch) -> float:
+    """Seconds of the first generates at one row and at several (where compiling happens)."""
+    t0 = time.perf_counter()
+    run(one, 4), run(batch, 4)
+    return time.perf_counter() - t0
+
+
+def one_dtype(ckpt, name: str, args, clock: Clock, res: dict) -> None:
+    """Fills ``res``: eager tplab and HF first, then tplab compiled, then HF's static cache, as time allows."""
+    from transformers import Qwen2ForCausalLM
+
+    from tplab import LLM
+    dtype, dev = DTYPES[name], args.device
+    one, batch = [prompt_ids(32)], [prompt_ids(32, seed=s) for s in range(args.batch)]
+    kv = dict(kv_cache_memory=args.kv_gib << 30)
+    hf, res["hf_weight_bytes"] = memory_of(lambda: Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).to(dev).eval(), dev)
+    llm, res["tplab_bytes_with_kv_cache"] = memory_of(lambda: LLM(str(ckpt), dtype=name, device=dev, **kv), dev)
+    res["tplab_kv_cache_bytes"] = llm.stats()["kv_cache_bytes"]
+    runners = {"hf": hf_runner(hf, dev), "tplab": tplab_runner(llm, dev)}
+    measure(runners, one, batch, args, res, clock, "eager")
+    if args.compile and not clock.over:
+        try:
+            compiled = LLM(str(ckpt), dtype=name, device=dev, compile=True, **kv)
+            c = tplab_runner(compiled, dev)
+            res["tplab_compiled_first_calls_s"] = first_calls(c, one, batch)
+            res["tplab_compiled_forwards"] = compiled.stats().get("compiled_forwards")
+            measure({"hf": runners["hf"], "tplab": runners["tplab"], "tplab_compiled": c}, one, batch, args,
+                    res.setdefault("compiled", {}), clock, "rates")
+            compiled.shutdown()
+        except Exception as e:                          # noqa: BLE001 (a measurement: report and go on)
+            res["tplab_compiled_error"] = f"{type(e).__name__}: {e}"[:600]
+    if args.hf_static and not clock.over:
+        try:
+            static = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).to(dev).eval()
+            static.generation_config.cache_implementation = "static"
+            s = hf_runner(static, dev)
+            res["hf_static_first_calls_s"] = first_calls(s, one, batch)
+            measure({"hf": runners["hf"], "hf_static": s, "tplab": runners["tplab"]}, one, batch, args,
+                    res.setdefault("hf_static", {}), clock, "rates")
+            del static
+        except Exception as e:                          # noqa: BLE001
+            res["hf_static_error"] = f"{type(e).__name__}: {e}"[:600]
+    llm.shutdown()
+    del hf, llm, runners
+    if torch.device(dev).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="the small random shape (a dry run)")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kv-gib", type=int, default=4, help="tplab's KV cache, GiB (HF allocates as it goes)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--no-hf-static", dest="hf_static", action="store_false")
+    ap.add_argument("--budget", type=float, default=420, help="seconds; sections past it are skipped")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"bench/gpu.py: no CUDA device (torch {torch.__version__}); nothing measured")
+        return 0
+    clock = Clock(args.budget)
+    result = {"machine": machine_info(), "args": vars(args), "dtypes": {}}
+    if args.device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        result["machine"]["gpu_memory_bytes"] = p.total_memory
+    settings = Settings.make(args.quick)
+    ckpt = checkpoint(settings)
+    result["checkpoint"] = settings.name
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    for name in args.dtypes.split(","):
+        if clock.over:
+            result["dtypes"][name] = "skipped: out of time"
+            continue
+        log(f"--- {name} ({time.perf_counter() - clock.t0:.0f} s in)")
+        result["dtypes"][name] = {}
+        try:
+            one_dtype(ckpt, name, args, clock, result["dtypes"][name])
+        finally:
+            save()
+    result["seconds"] = time.perf_counter() - clock.t0
+    save()
+    print(json.dumps(result["dtypes"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
