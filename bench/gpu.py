@@ -114,6 +114,26 @@ def measure(runners: dict, one, batch, args, res: dict, clock: Clock, tag: str) 
         log(f"{tag} {rows}: " + ", ".join(f"{k} {v['tok_s']:.1f} tok/s" for k, v in rates.items()))
 
 
+def host_syncs(run, prompts) -> dict:
+    """The operations that made the host wait for the GPU in one decode step of ``prompts`` (CUDA's sync debug
+    mode, "warn"): ``{"file:line": count per step}`` over a 9-token generate less a 1-token one, per step."""
+    import collections
+    import warnings
+
+    def count(n):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run(prompts, n)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                   if "synchronizing" in str(w.message))
+    many, one = count(9), count(1)
+    return {k: (many[k] - one.get(k, 0)) / 8 for k in many if many[k] != one.get(k, 0)}
+
+
 def first_calls(run, one, batch) -> float:
     """Seconds of the first generates at one row and at several (where compiling happens)."""
     t0 = time.perf_counter()
@@ -121,8 +141,8 @@ def first_calls(run, one, batch) -> float:
     return time.perf_counter() - t0
 
 
-def one_dtype(ckpt, name: str, args, clock: Clock, res: dict) -> None:
-    """Fills ``res``: eager tplab and HF first, then tplab compiled, then HF's static cache, as time allows."""
+def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
+    """Fills ``res``: eager tplab and HF first, then HF's static cache, then tplab compiled, as time allows."""
     from transformers import Qwen2ForCausalLM
 
     from tplab import LLM
@@ -133,7 +153,22 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict) -> None:
     llm, res["tplab_bytes_with_kv_cache"] = memory_of(lambda: LLM(str(ckpt), dtype=name, device=dev, **kv), dev)
     res["tplab_kv_cache_bytes"] = llm.stats()["kv_cache_bytes"]
     runners = {"hf": hf_runner(hf, dev), "tplab": tplab_runner(llm, dev)}
+    if torch.device(dev).type == "cuda":
+        res["host_syncs_per_decode_step"] = {k: host_syncs(run, batch) for k, run in runners.items()}
     measure(runners, one, batch, args, res, clock, "eager")
+    save()
+    if args.hf_static and not clock.over:
+        try:
+            static = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).to(dev).eval()
+            static.generation_config.cache_implementation = "static"
+            s = hf_runner(static, dev)
+            res["hf_static_first_calls_s"] = first_calls(s, one, batch)
+            measure({"hf": runners["hf"], "hf_static": s, "tplab": runners["tplab"]}, one, batch, args,
+                    res.setdefault("hf_static", {}), clock, "rates")
+            del static
+            save()
+        except Exception as e:                          # noqa: BLE001
+            res["hf_static_error"] = f"{type(e).__name__}: {e}"[:600]
     if args.compile and not clock.over:
         try:
             compiled = LLM(str(ckpt), dtype=name, device=dev, compile=True, **kv)
@@ -145,17 +180,6 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict) -> None:
             compiled.shutdown()
         except Exception as e:                          # noqa: BLE001 (a measurement: report and go on)
             res["tplab_compiled_error"] = f"{type(e).__name__}: {e}"[:600]
-    if args.hf_static and not clock.over:
-        try:
-            static = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).to(dev).eval()
-            static.generation_config.cache_implementation = "static"
-            s = hf_runner(static, dev)
-            res["hf_static_first_calls_s"] = first_calls(s, one, batch)
-            measure({"hf": runners["hf"], "hf_static": s, "tplab": runners["tplab"]}, one, batch, args,
-                    res.setdefault("hf_static", {}), clock, "rates")
-            del static
-        except Exception as e:                          # noqa: BLE001
-            res["hf_static_error"] = f"{type(e).__name__}: {e}"[:600]
     llm.shutdown()
     del hf, llm, runners
     if torch.device(dev).type == "cuda":
@@ -198,7 +222,7 @@ def main(argv=None) -> int:
         log(f"--- {name} ({time.perf_counter() - clock.t0:.0f} s in)")
         result["dtypes"][name] = {}
         try:
-            one_dtype(ckpt, name, args, clock, result["dtypes"][name])
+            one_dtype(ckpt, name, args, clock, result["dtypes"][name], save)
         finally:
             save()
     result["seconds"] = time.perf_counter() - clock.t0
