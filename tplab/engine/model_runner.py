@@ -103,9 +103,7 @@ class ModelRunner:
         out: list[tuple[int, float] | None] = [None] * len(seqs)
         if not done:
             return out
-        # non_blocking: a plain copy to a GPU would wait for the forward queued before it to finish
-        last = torch.tensor([meta.query_start_loc[b + 1] - 1 for b in done])                          # (S,)
-        last = last.to(self.device, non_blocking=True)
+        last = torch.tensor([meta.query_start_loc[b + 1] - 1 for b in done], device=self.device)    # (S,)
         logits = self.model.compute_logits(hidden.index_select(0, last))                              # (S, V)
         tokens, logprobs = sample(logits, [seqs[b].params for b in done], [seqs[b].generator for b in done])
         for b, token, logprob in zip(done, tokens.tolist(), logprobs.tolist()):

@@ -84,10 +84,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     qb = q.to(dtype).index_select(0, dec.block_seq)                # (nb, H, D): each block's sequence's query
     s = torch.baddbmm(qb.new_empty(()), qb, kb.transpose(1, 2), beta=0, alpha=scale)  # (nb, H, bs*H_kv)
     hidden = dec.score_mask(h, k_cache.shape[2])
-    # unsafe: skip segment_reduce's check of the lengths (built above, each >= 1), two .item() calls that
-    # on a GPU stop the host until the device has caught up, twice a layer
-    m = torch.segment_reduce(s.masked_fill_(hidden, float("-inf")).amax(-1), "max", lengths=dec.num_blocks,
-                             unsafe=True)                                                          # (Bd, H)
+    m = torch.segment_reduce(s.masked_fill_(hidden, float("-inf")).amax(-1), "max", lengths=dec.num_blocks)  # (Bd, H)
     # exp of a score more than 80 below its row's max is under 2e-35, too small to change an fp32 sum
     # that holds the max's weight of 1; clamped there, exp never makes denormals (3x slower here)
     p = (s - m.index_select(0, dec.block_seq).unsqueeze(-1)).clamp_min_(-80.0).exp_().masked_fill_(hidden, 0.0)
