@@ -2,8 +2,8 @@
 
 TP 1 on CUDA in fp32 and bf16 (the device a notebook's ``LLM`` picks when there is a GPU), the NCCL backend
 in a one-rank group and at TP 2 where two GPUs exist, the KV cache sized from the GPU's free memory, and
-the backend the notebooks pick. Greedy tokens must equal HF's; logprobs stay within the dtype's bound
-(``tplab.teaching.tolerance.logprob_bound`` of HF's logits).
+the backend the notebooks pick. Greedy tokens must equal HF's (in bf16, ``tolerance.TOKEN_AGREEMENT`` of
+them); logprobs stay within the dtype's bound (``tplab.teaching.tolerance.logprob_bound`` of HF's logits).
 Without CUDA every test is skipped, with the reason (``-rs``).
 """
 import math
@@ -57,10 +57,18 @@ def hf_cuda():
 
 
 def assert_matches(outs, ref, dtype, where):
+    """tplab's greedy tokens and logprobs against HF's: in fp32 every token equal; in bf16 at least
+    ``tolerance.TOKEN_AGREEMENT`` of them (a near-tie rounds either way, as in tests/test_bf16.py). Logprobs
+    within the bound wherever the two still share the context."""
+    agree = total = 0
     for i, (tokens, logprobs, (want, want_logprobs, bound)) in enumerate(zip(*outs, ref)):
-        assert tokens == want, f"{where}: prompt {i}'s greedy tokens {tokens} differ from HF's {want}"
-        worst = max(abs(a - b) for a, b in zip(logprobs, want_logprobs))
+        if tolerance.TOKEN_AGREEMENT[dtype] == 1.0:
+            assert tokens == want, f"{where}: prompt {i}'s greedy tokens {tokens} differ from HF's {want}"
+        agree, total = agree + sum(a == b for a, b in zip(tokens, want)), total + len(want)
+        same = next((j for j, (a, b) in enumerate(zip(tokens, want)) if a != b), len(want))
+        worst = max([0.0] + [abs(a - b) for a, b in zip(logprobs[:same], want_logprobs[:same])])
         assert worst <= bound, f"{where}: prompt {i}'s logprobs off HF's by {worst:.2e} > the bound {bound:.2e}"
+    assert agree >= tolerance.TOKEN_AGREEMENT[dtype] * total, f"{where}: {agree} of {total} greedy tokens equal HF's"
 
 
 def generate(llm, prompts) -> tuple[list, list]:
