@@ -11,6 +11,10 @@ Per dtype (fp32, bf16), on the 0.5B-shape random checkpoint (``common.checkpoint
 
 Without CUDA it says so and exits 0. ``--device cpu --quick`` runs every step on the CPU (a dry run of this
 script). Results go to ``--out`` (JSON) after every section, so a run cut off keeps what it measured.
+``--profile PREFIX`` also writes torch.profiler tables of HF and tplab generating for the batch.
+
+On an H200 (bench/results-gpu-h200.json) tplab's eager step took about as long as HF's at one row but
+about 1.5x as long at 16: the next GPU session's first question (``--profile``).
 """
 import argparse
 import json
@@ -134,6 +138,18 @@ def host_syncs(run, prompts) -> dict:
     return {k: (many[k] - one.get(k, 0)) / 8 for k in many if many[k] != one.get(k, 0)}
 
 
+def profile_table(run, prompts, device) -> str:
+    """torch.profiler over a 9-token generate of ``prompts`` (prefill and 8 decode steps): the ops by their
+    own host time, and on a GPU by their own device time."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run(prompts, 9)
+    table = prof.key_averages()
+    out = table.table(sort_by="self_cpu_time_total", row_limit=30)
+    return out + ("\n" + table.table(sort_by="self_device_time_total", row_limit=30) if cuda else "")
+
+
 def first_calls(run, one, batch) -> float:
     """Seconds of the first generates at one row and at several (where compiling happens)."""
     t0 = time.perf_counter()
@@ -155,6 +171,10 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
     runners = {"hf": hf_runner(hf, dev), "tplab": tplab_runner(llm, dev)}
     if torch.device(dev).type == "cuda":
         res["host_syncs_per_decode_step"] = {k: host_syncs(run, batch) for k, run in runners.items()}
+    if args.profile:
+        text = "".join(f"=== {k}, {len(batch)} prompts, {name}\n{profile_table(run, batch, dev)}\n"
+                       for k, run in runners.items())
+        Path(f"{args.profile}-{name}.txt").write_text(text)
     measure(runners, one, batch, args, res, clock, "eager")
     save()
     if args.hf_static and not clock.over:
@@ -199,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf-static", dest="hf_static", action="store_false")
     ap.add_argument("--budget", type=float, default=420, help="seconds; sections past it are skipped")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="PREFIX: write torch.profiler tables to PREFIX-<dtype>.txt")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"bench/gpu.py: no CUDA device (torch {torch.__version__}); nothing measured")
