@@ -165,7 +165,8 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
     dtype, dev = DTYPES[name], args.device
     one, batch = [prompt_ids(32)], [prompt_ids(32, seed=s) for s in range(args.batch)]
     kv = dict(kv_cache_memory=args.kv_gib << 30)
-    hf, res["hf_weight_bytes"] = memory_of(lambda: Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).to(dev).eval(), dev)
+    load_hf = lambda: Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).to(dev).eval()  # noqa: E731
+    hf, res["hf_weight_bytes"] = memory_of(load_hf, dev)
     llm, res["tplab_bytes_with_kv_cache"] = memory_of(lambda: LLM(str(ckpt), dtype=name, device=dev, **kv), dev)
     res["tplab_kv_cache_bytes"] = llm.stats()["kv_cache_bytes"]
     runners = {"hf": hf_runner(hf, dev), "tplab": tplab_runner(llm, dev)}
@@ -179,7 +180,7 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
     save()
     if args.hf_static and not clock.over:
         try:
-            static = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).to(dev).eval()
+            static = load_hf()
             static.generation_config.cache_implementation = "static"
             s = hf_runner(static, dev)
             res["hf_static_first_calls_s"] = first_calls(s, one, batch)
