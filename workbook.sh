@@ -6,11 +6,28 @@
 #   ./workbook.sh test-gpu      run the CUDA and NCCL tests (tests/test_gpu.py); skipped, with the reason, without a GPU
 #   ./workbook.sh test-browser  open every notebook in headless Chromium (installs Chromium: CI, not laptops)
 #   ./workbook.sh python ...    run Python inside the environment (benchmarks, scripts)
+# TPLAB_PYTHON=/path/to/python uses an environment of your own (a CUDA build of torch, say) as it is: nothing
+# is installed, and tplab is imported from this checkout.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
+PY=${TPLAB_PYTHON:-$VENV/bin/python}
 
-setup() {
+own_python() {   # $@: modules the command needs beyond tplab's
+  local missing
+  missing=$("$PY" -c 'import importlib.util as u, sys
+print(" ".join(m for m in ["torch", "transformers", "safetensors", "cloudpickle", "psutil", "tqdm"] + sys.argv[1:]
+               if u.find_spec(m) is None))' "$@" 2>/dev/null) || {
+    echo "workbook: TPLAB_PYTHON=$TPLAB_PYTHON does not run; point it at a python executable" >&2; exit 1; }
+  if [ -n "$missing" ]; then
+    echo "workbook: TPLAB_PYTHON=$TPLAB_PYTHON lacks $missing: \`$TPLAB_PYTHON -m pip install $missing\`, or unset TPLAB_PYTHON to use .venv" >&2
+    exit 1
+  fi
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+setup() {   # $@: modules the command needs, checked in an environment of your own (TPLAB_PYTHON)
+  if [ -n "${TPLAB_PYTHON:-}" ]; then own_python "$@"; return; fi
   [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
   local want stamp="$VENV/.tplab-installed"
   want=$(cat requirements.txt pyproject.toml | sha1sum)
@@ -28,6 +45,7 @@ setup() {
 
 lab_settings() {
   # JupyterLab defaults for this environment only: no "get Jupyter news?" prompt over the first notebook.
+  [ -z "${TPLAB_PYTHON:-}" ] || return 0       # not in an environment of the user's own
   mkdir -p "$VENV/share/jupyter/lab/settings"
   echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
     > "$VENV/share/jupyter/lab/settings/overrides.json"
@@ -43,38 +61,38 @@ browser_deps() {
     ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
   fi
   export CHROMIUM=${CHROMIUM:-$(command -v chromium)} CHROMEDRIVER=${CHROMEDRIVER:-$(command -v chromedriver)}
-  "$VENV/bin/python" -c "import selenium" 2>/dev/null || {
-    echo "workbook: installing Selenium into $VENV..." >&2; "$VENV/bin/python" -m pip install -q "selenium>=4.10"; }
+  "$PY" -c "import selenium" 2>/dev/null || {
+    echo "workbook: installing Selenium into $PY's environment..." >&2; "$PY" -m pip install -q "selenium>=4.10"; }
 }
 
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
 cmd=${1:-}; shift || true
 case "$cmd" in
-  lab)    setup; lab_settings
+  lab)    setup jupyterlab ipywidgets matplotlib; lab_settings
           # The repository root is served (so tplab/ opens beside the notebooks) and the lab opens on
           # notebooks/. Root is the default user in containers and cloud notebook machines.
           root=(); [ "$(id -u)" = 0 ] && root=(--allow-root)
-          exec "$VENV/bin/jupyter" lab --ServerApp.root_dir="$PWD" --LabApp.default_url=/lab/tree/notebooks \
+          exec "$PY" -m jupyter lab --ServerApp.root_dir="$PWD" --LabApp.default_url=/lab/tree/notebooks \
             ${root[@]+"${root[@]}"} "$@" ;;
-  test)   setup
+  test)   setup pytest nbval ipykernel ipywidgets matplotlib hypothesis
           nbval=(--nbval-lax --nbval-sanitize-with nbval_sanitize.cfg --nbval-cell-timeout 300)
           for arg in "$@"; do    # a path given: run just that
-            [ -e "${arg%%::*}" ] && exec "$VENV/bin/python" -m pytest "${nbval[@]}" "$@"
+            [ -e "${arg%%::*}" ] && exec "$PY" -m pytest "${nbval[@]}" "$@"
           done
-          compgen -G "notebooks/*.ipynb" >/dev/null || exec "$VENV/bin/python" -m pytest tests "$@"
+          compgen -G "notebooks/*.ipynb" >/dev/null || exec "$PY" -m pytest tests "$@"
           # nbval runs the notebooks as committed (the exercises' stubs); tests/test_notebooks_rerun.py runs
           # them twice in one kernel in solution mode, every exercise filled by its reference solution.
-          exec "$VENV/bin/python" -m pytest "${nbval[@]}" tests notebooks "$@" ;;
+          exec "$PY" -m pytest "${nbval[@]}" tests notebooks "$@" ;;
   test-gpu)
           # tplab on CUDA against HF on the same GPU, NCCL groups, the KV cache from free GPU memory (marker gpu).
           # Without CUDA every test is skipped and the reason printed (-rs); the command still succeeds.
-          setup; exec "$VENV/bin/python" -m pytest -m gpu -rs tests/test_gpu.py "$@" ;;
+          setup pytest; exec "$PY" -m pytest -m gpu -rs tests/test_gpu.py "$@" ;;
   test-browser)
-          setup; browser_deps
-          exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout 600 -v tests/browser/lab_in_chromium.py "$@" ;;
+          setup pytest jupyterlab; browser_deps
+          exec "$PY" -m pytest -p no:cacheprovider --timeout 600 -v tests/browser/lab_in_chromium.py "$@" ;;
   doctor) python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || {
             echo "workbook: Python 3.10 or newer is needed (3.11 tested); found: $(python3 -V 2>&1)" >&2; exit 1; }
-          setup; exec "$VENV/bin/python" scripts/doctor.py "$@" ;;
-  python) setup; exec "$VENV/bin/python" "$@" ;;
+          setup; exec "$PY" scripts/doctor.py "$@" ;;
+  python) setup; exec "$PY" "$@" ;;
   *)      sed -n '2,8p' "$0"; exit 2 ;;
 esac

@@ -99,3 +99,31 @@ def test_bf16_kernels_say_what_a_bf16_engine_runs_on():
     assert "streams half" in doctor.check_bf16_kernels(True).detail
     without = doctor.check_bf16_kernels(False)
     assert without.status == "ok" and "F.linear" in without.detail and "float32" in without.detail
+
+
+def _workbook(python: str, *args: str):
+    import os
+    import subprocess
+    root = Path(__file__).parents[1]
+    return subprocess.run([str(root / "workbook.sh"), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TPLAB_PYTHON": python})
+
+
+def test_an_environment_of_your_own_is_used_as_it_is():
+    """``TPLAB_PYTHON``: that python runs the command, tplab comes from this checkout, nothing is installed."""
+    run = _workbook(sys.executable, "python", "-c", "import sys, tplab; print(sys.executable, tplab.__file__)")
+    assert run.returncode == 0, run.stderr
+    exe, where = run.stdout.split()
+    assert exe == sys.executable and Path(where).parent == Path(__file__).parents[1] / "tplab"
+    assert "installing" not in run.stderr
+
+
+def test_an_environment_of_your_own_that_lacks_a_package_says_which(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho transformers nbval\n")     # what its module check prints: the missing ones
+    fake.chmod(0o755)
+    run = _workbook(str(fake), "test")
+    assert run.returncode == 1 and "lacks transformers nbval" in run.stderr
+    assert f"{fake} -m pip install transformers nbval" in run.stderr
+    run = _workbook(str(tmp_path / "no-such-python"), "test-gpu")
+    assert run.returncode == 1 and "does not run" in run.stderr
