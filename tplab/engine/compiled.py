@@ -41,6 +41,11 @@ Cost: the first start compiles (about a minute on 2 cores); inductor's FX graph 
 (``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) makes later starts on the machine take seconds. Where
 no C++ compiler is present, or compiling fails, the model runs eagerly and one line says so, once per
 process.
+
+On a GPU the same graph compiles to Triton kernels. There a decode step is bound by launching kernels
+from the host, not by the GPU, so fusing them pays more. On an NVIDIA H200 the compiled path decoded
+1.41x (bf16) and 1.37x (fp32) faster than eager at batch 1, and 1.16-1.32x at 16 rows. The fp32 tokens
+equalled HF's. Compiling took 26-28 s. Numbers are from ``bench/gpu.py``; see the README's "On a GPU".
 """
 import functools
 import os
