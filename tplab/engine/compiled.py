@@ -44,7 +44,7 @@ process.
 
 On a GPU the same graph compiles to Triton kernels. There a decode step is bound by launching kernels
 from the host, not by the GPU, so fusing them pays more. On an NVIDIA H200 the compiled path decoded
-1.41x (bf16) and 1.37x (fp32) faster than eager at batch 1, and 1.16-1.32x at 16 rows. The fp32 tokens
+1.48x (bf16) and 1.37x (fp32) faster than eager at batch 1, and 1.32x and 1.18x at 16 rows. The fp32 tokens
 equalled HF's. Compiling took 26-28 s. Numbers are from ``bench/gpu.py``; see the README's "On a GPU".
 """
 import functools
