@@ -171,3 +171,39 @@ def test_the_kv_cache_takes_90_percent_of_the_gpu_memory_left_after_the_weights(
         llm.shutdown()
         del llm
         torch.cuda.empty_cache()
+
+
+def test_the_compiled_path_on_the_gpu_matches_hf(hf_cuda):
+    """``compile=True`` on CUDA: the same graph as on CPU, built by inductor as Triton kernels (bench/gpu.py
+    measured it 1.37-1.48x faster than eager at batch 1 on an H200); fp32 tokens equal HF's."""
+    prompts, ref = hf_cuda(torch.float32)
+    with LLM(models.tiny_stories(), compile=True) as llm:
+        assert llm.config.device == "cuda"
+        outs = generate(llm, prompts)
+        assert llm.stats()["compiled_forwards"] > 0, "the model ran eagerly: compiling failed (see stderr)"
+    assert_matches(outs, ref, torch.float32, "TP 1 cuda compiled")
+
+
+def test_a_decode_forward_never_waits_for_the_gpu():
+    """Inside the model's forward of a decode step nothing makes the host wait for the GPU (a .item(), a copy
+    to the CPU, an op that checks its inputs' values): a decode step is bound by launching kernels, and one
+    such wait a layer costs what the GPU takes to catch up. CUDA's sync debug mode turns any into an error."""
+    with LLM(models.tiny_stories(), max_num_seqs=4) as llm:
+        model = llm._worker.engine.runner.model
+        forward, decodes = model.forward, []
+
+        def strict(input_ids, kv_caches, meta):
+            if meta.decode is None or len(meta.decode.seqs) != input_ids.shape[0]:
+                return forward(input_ids, kv_caches, meta)           # a step with a prompt in it
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return forward(input_ids, kv_caches, meta)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                decodes.append(input_ids.shape[0])
+        model.forward = strict
+        try:
+            generate(llm, [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 20, [10, 11]])
+        finally:
+            del model.forward
+    assert 4 in decodes, f"no 4-row decode step ran: {decodes}"
