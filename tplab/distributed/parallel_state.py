@@ -150,6 +150,13 @@ def init_tp_comm(use_shm: bool = True) -> None:
     _layout = Layout(dist.group.WORLD, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), comm=comm)
 
 
+def release() -> None:
+    """Forget the layout: its TP groups and shared-memory segment are freed once nothing else holds them
+    (``LLM.shutdown`` under torchrun). The next engine decides a layout again."""
+    global _layout
+    _layout = None
+
+
 def init_model_parallel(tp_size: int, pp_size: int = 1, use_shm: bool = True) -> Layout:
     """Arrange the world's ``tp_size * pp_size`` ranks in ``pp_size`` stages of ``tp_size`` TP ranks (world
     rank = ``pp_rank * tp_size + tp_rank``, as vLLM's): one TP group per stage, made by every rank in the same
