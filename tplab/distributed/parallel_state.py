@@ -16,7 +16,9 @@ the process group itself.
 ``count_collectives()`` records the collectives a block of code runs (op, shape, path, time);
 notebook 00 counts one decode step's with it.
 """
+import atexit
 import contextlib
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ class Layout:
 # Kept beside torch.distributed's own state of the group: it belongs to the process group (set once by
 # init_tp_comm / init_model_parallel, checked against it at every collective), not to an LLM.
 _layout: Layout | None = None
+_layout_at_exit: list = []         # non-empty once _release_at_exit is registered
 _recorders: list[list] = []       # the lists of the open count_collectives() blocks; usually empty
 
 
@@ -138,23 +141,32 @@ def _tp_group(tp_size: int) -> tuple[object, Layout | None]:
         "gather_output=False and combine the shards yourself")
 
 
+def _set_layout(layout: Layout) -> None:
+    global _layout
+    if not _layout_at_exit:
+        _layout_at_exit.append(atexit.register(_release_at_exit))     # once a process has had a layout
+    _layout = layout
+
+
+def _release_at_exit() -> None:
+    """At interpreter exit, while Python is still whole: let go of the layout (its TP groups, its shared memory)
+    and collect what the engines left in cycles (the requests of their last sends). A gloo group that is still
+    alive when the interpreter finalises can abort the rank (SIGABRT, "terminate called without an active
+    exception") after its work is done, which under torchrun leaves the other machine's ranks waiting."""
+    global _layout
+    _layout = None
+    gc.collect()
+
+
 def init_tp_comm(use_shm: bool = True) -> None:
     """Decide how this process group's collectives travel, with the whole world as one TP group: shared
     memory when every rank is a CPU rank on this machine (``shm_comm.shm_applies``), else the process
     group. Every rank must call it (it maps a segment together); a second call for the same group does nothing."""
-    global _layout
     layout = current_layout()
     if layout is not None and layout.pp_size == 1:
         return
     comm = ShmComm() if use_shm and shm_applies() else None
-    _layout = Layout(dist.group.WORLD, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), comm=comm)
-
-
-def release() -> None:
-    """Forget the layout: its TP groups and shared-memory segment are freed once nothing else holds them
-    (``LLM.shutdown`` under torchrun). The next engine decides a layout again."""
-    global _layout
-    _layout = None
+    _set_layout(Layout(dist.group.WORLD, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), comm=comm))
 
 
 def init_model_parallel(tp_size: int, pp_size: int = 1, use_shm: bool = True) -> Layout:
@@ -163,7 +175,6 @@ def init_model_parallel(tp_size: int, pp_size: int = 1, use_shm: bool = True) ->
     order (``dist.new_group`` is collective), each with its own shared-memory segment where it applies. At
     PP 1 the world is the TP group (``init_tp_comm``). Every rank must call it; again with the same sizes, it
     does nothing."""
-    global _layout
     world = dist.get_world_size()
     if tp_size * pp_size != world:
         raise ValueError(f"tensor_parallel_size={tp_size} x pipeline_parallel_size={pp_size} = "
@@ -181,7 +192,7 @@ def init_model_parallel(tp_size: int, pp_size: int = 1, use_shm: bool = True) ->
             made = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
             group = made if stage == pp_rank else group
     comm = ShmComm(group) if group is not None and use_shm and shm_applies(group) else None
-    _layout = Layout(dist.group.WORLD, group, tp_rank, tp_size, pp_rank, pp_size, comm)
+    _set_layout(Layout(dist.group.WORLD, group, tp_rank, tp_size, pp_rank, pp_size, comm))
     return _layout
 
 

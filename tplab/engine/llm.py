@@ -5,7 +5,6 @@ rank processes with ``tplab.distributed.RankGroup``, each holding a ``Worker`` w
 process only tokenizes, checks input and collects rank 0's answer. Under ``torchrun`` (a
 process group already initialised) every rank runs the engine in-process.
 """
-import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tplab.distributed import parallel_state
 from tplab.distributed.launcher import RankGroup
 from tplab.engine.config import engine_config
 from tplab.engine.sampling import SamplingParams
@@ -156,16 +154,10 @@ class LLM:
             raise
 
     def shutdown(self) -> None:
-        """Stop the ranks (or drop the in-process engine) and free their memory. Under torchrun it also lets go
-        of tplab's TP groups and shared memory, so that none outlives the script's ``destroy_process_group``:
-        a gloo group torn down only at interpreter exit can abort the rank (SIGABRT), after its work is done."""
+        """Stop the ranks (or drop the in-process engine) and free their memory."""
         if self._group is not None:
             self._group.close()
             self._group = None
-        if self._worker is not None and dist.is_initialized():
-            self._worker = None
-            gc.collect()                                # the engine's cycles, and the requests they hold
-            parallel_state.release()
         self._worker = None
 
     def __enter__(self):
