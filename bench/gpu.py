@@ -102,13 +102,18 @@ def peak_added(run, device) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def measure(runners: dict, one, batch, args, res: dict, clock: Clock, tag: str) -> None:
-    """Tokens against HF's (``runners["hf"]`` comes first), peak memory and decode rates of ``runners``."""
-    want1, want16 = runners["hf"](one, args.new), runners["hf"](batch, args.new)
-    for k, run in runners.items():
-        got1, got16 = run(one, args.new), run(batch, args.new)
-        res.setdefault("tokens", {})[k] = {"batch1_leading_equal": leading_equal(got1[0], want1[0]), "of": args.new,
-                                           "batch_leading_equal": [leading_equal(g, w) for g, w in zip(got16, want16)]}
+def measure(runners: dict, one, batch, args, res: dict, clock: Clock, tag: str, fresh=None) -> None:
+    """Tokens against HF's and peak memory of the runners named in ``fresh`` (default: all; a later section
+    names only its new one), then the paired decode rates of all of ``runners`` (``"hf"`` first)."""
+    if "hf_tokens" not in res:                                   # HF's reference, once per dtype
+        res["hf_tokens"] = runners["hf"](one, args.new), runners["hf"](batch, args.new)
+    want_one, want_batch = res["hf_tokens"]
+    for k in fresh or runners:
+        run = runners[k]
+        got_one, got_batch = run(one, args.new), run(batch, args.new)
+        res.setdefault("tokens", {})[k] = {"batch1_leading_equal": leading_equal(got_one[0], want_one[0]),
+                                           "of": args.new, "batch_leading_equal": [
+                                               leading_equal(g, w) for g, w in zip(got_batch, want_batch)]}
         res.setdefault("peak_added_bytes", {})[k] = peak_added(lambda run=run: run(batch, args.new), args.device)
     for rows, prompts in (("batch1", one), (f"batch{args.batch}", batch)):
         if clock.over:
@@ -184,8 +189,8 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
             static.generation_config.cache_implementation = "static"
             s = hf_runner(static, dev)
             res["hf_static_first_calls_s"] = first_calls(s, one, batch)
-            measure({"hf": runners["hf"], "hf_static": s, "tplab": runners["tplab"]}, one, batch, args,
-                    res.setdefault("hf_static", {}), clock, "rates")
+            measure({"hf": runners["hf"], "hf_static": s, "tplab": runners["tplab"]}, one, batch, args, res, clock,
+                    "hf_static", fresh=["hf_static"])
             del static
             save()
         except Exception as e:                          # noqa: BLE001
@@ -196,8 +201,8 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
             c = tplab_runner(compiled, dev)
             res["tplab_compiled_first_calls_s"] = first_calls(c, one, batch)
             res["tplab_compiled_forwards"] = compiled.stats().get("compiled_forwards")
-            measure({"hf": runners["hf"], "tplab": runners["tplab"], "tplab_compiled": c}, one, batch, args,
-                    res.setdefault("compiled", {}), clock, "rates")
+            measure({"hf": runners["hf"], "tplab": runners["tplab"], "tplab_compiled": c}, one, batch, args, res,
+                    clock, "compiled", fresh=["tplab_compiled"])
             compiled.shutdown()
         except Exception as e:                          # noqa: BLE001 (a measurement: report and go on)
             res["tplab_compiled_error"] = f"{type(e).__name__}: {e}"[:600]

@@ -1,6 +1,8 @@
 """./workbook.sh doctor: each check on a faked bad environment says what to fix, and the exit code follows."""
 import importlib.util
 import io
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,8 +104,6 @@ def test_bf16_kernels_say_what_a_bf16_engine_runs_on():
 
 
 def _workbook(python: str, *args: str):
-    import os
-    import subprocess
     root = Path(__file__).parents[1]
     return subprocess.run([str(root / "workbook.sh"), *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TPLAB_PYTHON": python})

@@ -45,7 +45,7 @@ class Layout:
 # Kept beside torch.distributed's own state of the group: it belongs to the process group (set once by
 # init_tp_comm / init_model_parallel, checked against it at every collective), not to an LLM.
 _layout: Layout | None = None
-_layout_at_exit: list = []         # non-empty once _release_at_exit is registered
+_release_registered = False        # _release_at_exit runs at exit once the process has had a layout
 _recorders: list[list] = []       # the lists of the open count_collectives() blocks; usually empty
 
 
@@ -142,9 +142,10 @@ def _tp_group(tp_size: int) -> tuple[object, Layout | None]:
 
 
 def _set_layout(layout: Layout) -> None:
-    global _layout
-    if not _layout_at_exit:
-        _layout_at_exit.append(atexit.register(_release_at_exit))     # once a process has had a layout
+    global _layout, _release_registered
+    if not _release_registered:
+        atexit.register(_release_at_exit)
+        _release_registered = True
     _layout = layout
 
 
