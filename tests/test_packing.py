@@ -136,9 +136,96 @@ def cpu_without_onednn_bf16(monkeypatch):
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available here")
 def test_without_onednn_bf16_fp32_still_packs_and_a_bf16_model_multiplies_as_hf(checkpoint, cpu_without_onednn_bf16):
-    assert Gemm.choose(True, True, torch.float32) == Gemm(True, packing_available())   # fp32 keeps its path
+    fp32 = Gemm.choose(True, True, torch.float32)
+    assert (fp32.onednn, fp32.pack) == (True, packing_available())                  # fp32 keeps its path
     assert Gemm.choose(True, True, torch.bfloat16) == Gemm(False, False)              # bf16: F.linear, as HF
     from tplab import LLM, SamplingParams
     with LLM(checkpoint("gqa"), dtype="bfloat16") as llm:        # raised in every linear layer before
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))[0]
     assert len(out.token_ids) == 4
+
+
+# MKL for products of a few rows (``Gemm.few_rows_mkl``), on the layers that keep their weights plain for it
+FEW_ROWS_MKL = Gemm(onednn=True, pack=True, few_rows_mkl=True)
+needs_mkl = pytest.mark.skipif(not (packing_available() and torch.backends.mkl.is_available()),
+                               reason="needs oneDNN fp32 packing and a torch built with MKL")
+
+
+@needs_mkl
+def test_a_few_rows_by_a_plain_weight_go_to_mkl_and_the_rest_to_onednn():
+    w, bias = torch.randn(48, 64), torch.randn(48)
+    packed = FEW_ROWS_MKL.packed(w)
+    onednn = lambda x, weight: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    for rows in (1, 2, 3, 16):
+        x = torch.randn(rows, 64)
+        mkl = rows <= cpu_gemm.FEW_ROWS
+        assert torch.equal(FEW_ROWS_MKL.linear(x, w, bias), F.linear(x, w, bias) if mkl else onednn(x, w)), rows
+        assert torch.equal(FEW_ROWS_MKL.linear(x, packed, bias), onednn(x, packed)), f"{rows} rows, packed weight"
+        assert FEW_ROWS_MKL.mkl_takes(x, w) == mkl and not FEW_ROWS_MKL.mkl_takes(x, packed)
+        assert not PACKING.mkl_takes(x, w)                                       # off unless asked
+
+
+@needs_mkl
+def test_with_mkl_for_few_rows_qkv_o_and_down_stay_plain_gate_up_packs_and_outputs_hold(checkpoint):
+    model = load_model(checkpoint("gqa"))
+    xs = [torch.randn(rows, model.config.hidden_size) for rows in (1, 2, 5)]
+    plain = [run_layers(model, x) for x in xs]
+    assert process_weights_after_loading(model, FEW_ROWS_MKL) == model.config.num_hidden_layers + 1   # gate_up, head
+    layer = model.model.layers[0]
+    for kept in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert kept.packed_weight is None and kept.weight.device.type == "cpu", type(kept).__name__
+    assert layer.mlp.gate_up_proj.packed_weight.is_mkldnn
+    for x, before in zip(xs, plain):
+        for a, b in zip(run_layers(model, x), before):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def vendor(monkeypatch):
+    """``vendor(name)``: this machine as a CPU of that vendor for ``Gemm.choose``."""
+    def be(name):
+        monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: name)
+        cpu_gemm.mkl_fast_here.cache_clear()
+    yield be
+    monkeypatch.undo()
+    cpu_gemm.mkl_fast_here.cache_clear()
+
+
+@needs_mkl
+def test_mkl_for_few_rows_is_chosen_on_intel_in_fp32_beside_onednn_only(vendor):
+    vendor("GenuineIntel")
+    assert Gemm.choose(True, True, torch.float32) == FEW_ROWS_MKL
+    assert not Gemm.choose(True, True, torch.float32, few_rows_mkl=False).few_rows_mkl      # TPLAB_FEW_ROWS_MKL=0
+    assert not Gemm.choose(False, True, torch.float32).few_rows_mkl       # without oneDNN all is F.linear already
+    assert not Gemm.choose(True, True, torch.bfloat16).few_rows_mkl       # MKL's bf16 products are slow
+    vendor("AuthenticAMD")                                                # MKL's generic path: half the bandwidth
+    assert Gemm.choose(True, True, torch.float32) == PACKING
+
+
+@pytest.mark.parametrize("processor, want", [
+    ("Intel64 Family 6 Model 85 Stepping 7, GenuineIntel", "GenuineIntel"),     # what Windows says
+    ("AMD64 Family 25 Model 1 Stepping 1, AuthenticAMD", "AuthenticAMD"),
+    ("arm", "")])
+def test_without_proc_cpuinfo_the_vendor_comes_from_the_processor_name(monkeypatch, processor, want):
+    def no_file(*args, **kwargs):
+        raise FileNotFoundError("/proc/cpuinfo")
+    monkeypatch.setattr("builtins.open", no_file)
+    monkeypatch.setattr(cpu_gemm.platform, "processor", lambda: processor)
+    assert cpu_gemm.cpu_vendor() == want
+
+
+@needs_mkl
+def test_an_engine_with_mkl_for_few_rows_matches_hf_alone_and_batched(checkpoint, hf_model, vendor):
+    """Greedy decoding of one sequence (one-row products: MKL) and of three (oneDNN) against HF, with the
+    path on whatever CPU runs the test (its choice is the vendor's; forced here)."""
+    from conftest import hf_greedy
+    from tplab import LLM, SamplingParams
+    vendor("GenuineIntel")
+    prompts, params = [[3, 17, 42, 99, 5], [250, 7], list(range(40, 71))], SamplingParams(temperature=0.0, max_tokens=10)
+    refs = [hf_greedy(hf_model(checkpoint("gqa")), p, 10) for p in prompts]
+    with LLM(checkpoint("gqa")) as llm:                            # TP 1 runs in this process: the vendor holds
+        assert llm.config.few_rows_mkl
+        outs = [llm.generate([prompts[0]], params)[0]] + llm.generate(prompts, params)
+    for out, ref in zip(outs, refs[:1] + refs):
+        assert out.token_ids == ref[0]
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound

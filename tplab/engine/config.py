@@ -139,6 +139,7 @@ class EngineConfig:
     # CPU speed settings; the environment gives their defaults (CI runs the notebooks with TPLAB_ONEDNN=0)
     onednn: bool = field(default_factory=lambda: _env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
     pack_weights: bool = field(default_factory=lambda: _env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
+    few_rows_mkl: bool = field(default_factory=lambda: _env_flag("TPLAB_FEW_ROWS_MKL"))  # cpu_gemm.FEW_ROWS
     malloc_tune: bool = field(default_factory=lambda: _env_flag("TPLAB_MALLOC_TUNE"))    # engine.malloc
     compile: bool = field(default_factory=lambda: _env_flag("TPLAB_COMPILE", "0"))  # torch.compile, engine.compiled
     hf_config: object = field(default=None, repr=False)  # None -> config.json's, as plain_config

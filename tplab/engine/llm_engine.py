@@ -54,7 +54,8 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     if pp_size > 1:   # the other stages' tensors are theirs to read
         skip |= other_stages_names(model, checkpoint_names(cfg.model))
     report = cfg.parts.load_weights(model, cfg.model, skip=skip)
-    process_weights_after_loading(model, Gemm.choose(cfg.onednn, cfg.pack_weights and pack, cfg.dtype))
+    gemm = Gemm.choose(cfg.onednn, cfg.pack_weights and pack, cfg.dtype, cfg.few_rows_mkl)
+    process_weights_after_loading(model, gemm)
     return model.eval(), report
 
 

@@ -9,12 +9,23 @@ of decodes runs about 1.5x faster on a weight reordered into oneDNN's blocked la
 reorders it on every call). The price: a single sequence's fp32 decode (one row) runs about 10% slower
 than on the plain layout (bench/, README).
 
+Why MKL for a step of one or two rows, on Intel: there MKL's matrix-vector product streams a plain fp32
+weight faster than either oneDNN layout (on a 2-core Xeon, 4.6 against 6.0 ms for 24 ``o_proj`` weights of
+Qwen2.5-0.5B, 19 against 25 for ``down_proj``, 5.8 against 7.6 for ``qkv_proj``). So where ``Gemm`` has
+``few_rows_mkl``, the layers whose batched products gain least from packing (``qkv_proj``, ``o_proj``,
+``down_proj``: ``GemmLayer.plain_with_mkl``) keep the plain layout, and multiply on oneDNN's plain
+kernel from ``FEW_ROWS + 1`` rows up; ``gate_up_proj`` packs (at 16 rows it takes 76 ms packed
+against 86 plain), and the LM head streams its plain weight for a few rows as before. On that Xeon a
+decode step of one sequence got about 9% faster and one of 16 about 2% slower. On AMD MKL takes a
+generic path at about half oneDNN's bandwidth (README), so there nothing changes (``mkl_fast_here``).
+
 A layer says what it does with this by being a ``GemmLayer``: the engine calls its
 ``process_weights_after_loading(gemm)`` once, after the checkpoint is loaded, with the ``Gemm`` the
 config chose (``EngineConfig.onednn``, ``EngineConfig.pack_weights``). A part that is not a
 ``GemmLayer`` is left as it is and multiplies however its own ``forward`` does.
 """
 import functools
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +34,29 @@ import torch.nn.functional as F
 # The row count oneDNN is told to pack a weight for. It picks the layout from it: here 4 and 16 give
 # the same blocked layout (AB16b64a), 1 gives the plain one (no faster at 16 rows).
 PACK_FOR_ROWS = 4
+# Products of at most this many rows (a decode step of one or two sequences) are what MKL's matrix-vector
+# kernel wins, where ``few_rows_mkl``; from 4 rows up oneDNN's kernels are faster on every layer (bench/).
+FEW_ROWS = 2
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string where the OS says it (``GenuineIntel``, ``AuthenticAMD``), else ''."""
+    try:
+        with open("/proc/cpuinfo") as f:                                   # Linux
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    name = platform.processor()                                            # Windows: '... GenuineIntel'
+    return next((v for v in ("GenuineIntel", "AuthenticAMD") if v in name), "")
+
+
+@functools.cache
+def mkl_fast_here() -> bool:
+    """Whether MKL is the fastest kernel here for fp32 products of a few rows: torch is built with MKL and
+    the CPU is Intel's. On AMD MKL takes a generic path, at about half the bandwidth oneDNN reaches (README)."""
+    return torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
 
 
 @functools.cache
@@ -56,22 +90,38 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
 @dataclass(frozen=True)
 class Gemm:
     """How ``linear`` multiplies: ``Gemm()`` is plain ``F.linear``; ``onednn`` goes through oneDNN's inner
-    product on CPU tensors; ``pack`` lets a layer reorder its weight for it once after loading. A ``Gemm``
-    is chosen for one dtype, the model's: ``choose`` keeps only what this machine does in that dtype."""
+    product on CPU tensors; ``pack`` lets a layer reorder its weight for it once after loading;
+    ``few_rows_mkl`` sends a product of at most ``FEW_ROWS`` rows by a plain weight to ``F.linear`` (MKL)
+    instead, and keeps the weights of ``plain_with_mkl`` layers plain for it. A ``Gemm`` is chosen for one
+    dtype, the model's: ``choose`` keeps only what this machine does in that dtype, and does well."""
     onednn: bool = False
     pack: bool = False
+    few_rows_mkl: bool = False
 
     @classmethod
-    def choose(cls, onednn: bool, pack: bool, dtype: torch.dtype = torch.float32) -> "Gemm":
-        """What this machine can do of what was asked, for weights and activations of ``dtype``."""
+    def choose(cls, onednn: bool, pack: bool, dtype: torch.dtype = torch.float32,
+               few_rows_mkl: bool = True) -> "Gemm":
+        """What this machine can do of what was asked, for weights and activations of ``dtype``. MKL for few
+        rows only beside oneDNN (without it every product is ``F.linear`` already), in fp32 (MKL has no fast
+        bf16 matrix-vector product), and where MKL is fast (``mkl_fast_here``)."""
         onednn = onednn and onednn_available(dtype)
-        return cls(onednn, onednn and pack and packing_available(dtype))
+        return cls(onednn, onednn and pack and packing_available(dtype),
+                   onednn and few_rows_mkl and dtype == torch.float32 and mkl_fast_here())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias``; ``weight`` may be a plain tensor or one from ``packed``."""
-        if self.onednn and x.device.type == "cpu":
+        if self.onednn and x.device.type == "cpu" and not self.mkl_takes(x, weight):
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
+
+    def mkl_takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``linear(x, weight)`` goes to MKL as a product of few rows: at most ``FEW_ROWS`` rows
+        of ``x`` by a plain (not packed) weight, where this ``Gemm`` has ``few_rows_mkl``."""
+        return self.few_rows_mkl and not weight.is_mkldnn and x.numel() <= FEW_ROWS * x.shape[-1]
+
+    def keeps_plain(self, layer: "GemmLayer") -> bool:
+        """Whether ``layer``'s weight stays plain for MKL's few-row products instead of being packed."""
+        return self.few_rows_mkl and layer.plain_with_mkl
 
     def can_pack(self, weight: torch.Tensor) -> bool:
         """Whether ``packed(weight)`` packs: packing chosen, a CPU weight of a dtype oneDNN packs here."""
@@ -91,6 +141,9 @@ class GemmLayer:
     unless its class body says otherwise: its weight stays as it was loaded."""
     gemm = Gemm()
     packs_weight = False
+    # where the Gemm sends few-row products to MKL (``few_rows_mkl``), keep this layer's weight plain for
+    # them: set on the layers whose products of 16 rows gain little from packing (qkv, o_proj, down_proj)
+    plain_with_mkl = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.layers.cpu_gemm import Gemm, GemmLayer
+from tplab.layers.cpu_gemm import FEW_ROWS, Gemm, GemmLayer
 from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.weights import copy_into, expect_shape
 from tplab.distributed.parallel_state import all_gather, all_reduce, tp_rank_and_size
@@ -88,7 +88,8 @@ class ParallelLMHead(VocabParallelEmbedding, GemmLayer):
         (545 MB fp32 for Qwen2.5-0.5B at TP 1) and buys fp32 logits of a 16-sequence decode step about
         1.5x faster (they are a quarter of the step), and bf16 logits at any batch that oneDNN does not
         reorder on every call. fp32 logits of one or two rows stay on the plain weight, which streams
-        faster for so few rows, so a single sequence's fp32 generation never makes the copy. Returns
+        faster for so few rows (through MKL where the ``Gemm`` has ``few_rows_mkl``), so a single sequence's
+        fp32 generation never makes the copy. Returns
         whether the head will pack."""
         self.gemm = gemm
         self.pack_on_demand = self.packs_weight and gemm.can_pack(self.weight)
@@ -99,9 +100,9 @@ class ParallelLMHead(VocabParallelEmbedding, GemmLayer):
         return self.gather(logits) if gather_output else logits
 
     def _weight_for(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The packed copy (made at the first step that wants it), except for fp32 logits of one or two
-        rows, which stream faster from the plain weight."""
-        if not self.pack_on_demand or (hidden.shape[0] < 3 and self.weight.dtype == torch.float32):
+        """The packed copy (made at the first step that wants it), except for fp32 logits of at most
+        ``FEW_ROWS`` rows, which stream faster from the plain weight."""
+        if not self.pack_on_demand or (hidden.shape[0] <= FEW_ROWS and self.weight.dtype == torch.float32):
             return self.weight
         if self.packed_weight is None:
             self.packed_weight = self.gemm.packed(self.weight)

@@ -41,7 +41,7 @@ class LinearBase(nn.Module, GemmLayer):
 
     def process_weights_after_loading(self, gemm: Gemm) -> bool:
         self.gemm = gemm
-        if not (self.packs_weight and gemm.can_pack(self.weight)):
+        if not (self.packs_weight and gemm.can_pack(self.weight)) or gemm.keeps_plain(self):
             return False
         weight = self.weight
         self.packed_weight = gemm.packed(weight)
@@ -128,6 +128,8 @@ class QKVParallelLinear(LinearBase):
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, rank, size)
         assert self.weight.shape == (self.q_size + 2 * self.kv_size, hidden_size)
 
+    plain_with_mkl = True              # packing gains little at 16 rows; MKL 1.3x at one (cpu_gemm)
+
     def weight_loader(self, param, loaded, shard_id: str):
         if shard_id == "q":
             full, rows, offset = self.total_num_heads * self.head_size, self.q_size, 0
@@ -189,6 +191,7 @@ class RowParallelLinear(LinearBase, ReturnsPartialSums):
         copy_into(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
 
     packs_weight = True
+    plain_with_mkl = True              # o_proj, down_proj: packing gains little at 16 rows (cpu_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.gemm.linear(x, self.gemm_weight(), self.bias if self.tp_rank == 0 else None)
