@@ -11,7 +11,8 @@ graph. In it each linear layer and each attention is one opaque op (``tplab::lin
   loops over sequences in Python, so tracing it would recompile every step. Its op takes q, k, v and
   the layer's index; the KV cache and the metadata come from ``_step``, set around each forward (the op
   writes the cache in place, which a functional graph must not see, or it would copy the cache);
-- a linear layer multiplies by a weight packed for oneDNN (``cpu_gemm``): an opaque tensor that inductor
+- a linear layer multiplies by a weight packed for oneDNN (``cpu_gemm``; on Intel some stay plain for MKL's
+  few-row products, the same op either way): an opaque tensor that inductor
   takes only as a frozen constant (``freezing``), and a graph with one is never written to inductor's
   cache on disk. So the matmul (and a row-parallel layer's all-reduce) stays the library call eager
   runs, and the graph holds no weight but the norms'.

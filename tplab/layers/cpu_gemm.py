@@ -15,13 +15,15 @@ Qwen2.5-0.5B, 19 against 25 for ``down_proj``, 5.8 against 7.6 for ``qkv_proj``)
 ``few_rows_mkl``, the layers whose batched products gain least from packing (``qkv_proj``, ``o_proj``,
 ``down_proj``: ``GemmLayer.plain_with_mkl``) keep the plain layout, and multiply on oneDNN's plain
 kernel from ``FEW_ROWS + 1`` rows up; ``gate_up_proj`` packs (at 16 rows it takes 76 ms packed
-against 86 plain), and the LM head streams its plain weight for a few rows as before. On that Xeon a
-decode step of one sequence got about 9% faster and one of 16 about 2% slower. On AMD MKL takes a
-generic path at about half oneDNN's bandwidth (README), so there nothing changes (``mkl_fast_here``).
+against 86 plain), and the LM head streams its plain weight for a few rows as before. On that Xeon, in
+fresh processes taking turns, a lone sequence's decode step took 110-123 ms against 124-137 (1.05-1.13x
+faster), and a step of 16 sequences 220-241 against 215-224 ms (5% slower in the middle; the call 3%).
+On AMD MKL takes a generic path at about half oneDNN's bandwidth (README), so there nothing changes
+(``mkl_fast_here``).
 
 A layer says what it does with this by being a ``GemmLayer``: the engine calls its
 ``process_weights_after_loading(gemm)`` once, after the checkpoint is loaded, with the ``Gemm`` the
-config chose (``EngineConfig.onednn``, ``EngineConfig.pack_weights``). A part that is not a
+config chose (``EngineConfig.onednn``, ``pack_weights``, ``few_rows_mkl``). A part that is not a
 ``GemmLayer`` is left as it is and multiplies however its own ``forward`` does.
 """
 import functools
