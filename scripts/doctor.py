@@ -187,6 +187,21 @@ def check_float32_gemm(paths=None) -> Check:
     return Check("ok", "float32 GEMM", f"{detail} against float64 (float32: under {GEMM_EPS_LIMIT})")
 
 
+def check_fp32_kernels(gemm=None) -> Check:
+    """Which kernels an fp32 engine's linear layers run on here (``Gemm.choose``, as the engine picks them)."""
+    if gemm is None:
+        from tplab.layers.cpu_gemm import Gemm
+        gemm = Gemm.choose(onednn=True, pack=True)
+    if not gemm.onednn:
+        return Check("ok", "fp32 kernels", "F.linear, as HF's: this torch has no oneDNN inner product here")
+    batches = "oneDNN with packed weights" if gemm.pack else "oneDNN"
+    if gemm.few_rows_mkl:
+        packed = ", gate_up_proj and the LM head packed" if gemm.pack else ""
+        return Check("ok", "fp32 kernels", f"one or two rows (a lone sequence's decode): MKL on plain weights, "
+                     f"faster on Intel; more rows: oneDNN{packed} (TPLAB_FEW_ROWS_MKL=0: {batches} always)")
+    return Check("ok", "fp32 kernels", f"{batches} at every batch size (MKL's few-row path is for Intel CPUs)")
+
+
 def check_bf16_kernels(onednn_bf16: bool | None = None) -> Check:
     """Whether oneDNN multiplies bf16 on this CPU (it needs AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU has
     neither). Without it a bf16 engine's linear layers run on ``F.linear``, as HF's do: correct, but little faster
@@ -255,7 +270,7 @@ def gather() -> list[Check]:
         checks.append(Check("FAIL", "memory", "psutil is missing", "`rm -rf .venv` and run ./workbook.sh doctor again"))
     checks += [check_shared_memory(), check_kernel(), check_saved_python()]
     if "error" not in facts:
-        checks += [check_float32_gemm(), check_bf16_kernels()]
+        checks += [check_float32_gemm(), check_fp32_kernels(), check_bf16_kernels()]
         ranks, seconds = check_ranks()
         checks += [ranks] + slow_notebooks(seconds)
     return checks

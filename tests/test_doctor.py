@@ -97,6 +97,14 @@ def test_float32_gemm_paths_here_are_float32_and_a_bf16_path_is_named():
     assert "TPLAB_ONEDNN=0" in check.fix
 
 
+def test_fp32_kernels_say_where_few_rows_go_to_mkl():
+    from tplab.layers.cpu_gemm import Gemm
+    assert "MKL on plain weights" in doctor.check_fp32_kernels(Gemm(True, True, True)).detail
+    amd = doctor.check_fp32_kernels(Gemm(True, True, False)).detail
+    assert "packed weights at every batch size" in amd and "for Intel" in amd
+    assert "F.linear" in doctor.check_fp32_kernels(Gemm()).detail
+
+
 def test_bf16_kernels_say_what_a_bf16_engine_runs_on():
     assert "streams half" in doctor.check_bf16_kernels(True).detail
     without = doctor.check_bf16_kernels(False)
