@@ -215,7 +215,7 @@ def test_without_proc_cpuinfo_the_vendor_comes_from_the_processor_name(monkeypat
 
 
 @needs_mkl
-def test_an_engine_with_mkl_for_few_rows_matches_hf_alone_and_batched(checkpoint, hf_model, vendor):
+def test_an_engine_with_mkl_for_few_rows_matches_hf_alone_and_batched(checkpoint, hf_model, vendor, monkeypatch):
     """Greedy decoding of one sequence (one-row products: MKL) and of three (oneDNN) against HF, with the
     path on whatever CPU runs the test (its choice is the vendor's; forced here)."""
     from conftest import hf_greedy
@@ -223,9 +223,15 @@ def test_an_engine_with_mkl_for_few_rows_matches_hf_alone_and_batched(checkpoint
     vendor("GenuineIntel")
     prompts, params = [[3, 17, 42, 99, 5], [250, 7], list(range(40, 71))], SamplingParams(temperature=0.0, max_tokens=10)
     refs = [hf_greedy(hf_model(checkpoint("gqa")), p, 10) for p in prompts]
+    to_mkl = []
+    takes = Gemm.mkl_takes
+    monkeypatch.setattr(Gemm, "mkl_takes", lambda self, x, w: to_mkl.append(takes(self, x, w)) or to_mkl[-1])
     with LLM(checkpoint("gqa")) as llm:                            # TP 1 runs in this process: the vendor holds
-        assert llm.config.few_rows_mkl
-        outs = [llm.generate([prompts[0]], params)[0]] + llm.generate(prompts, params)
+        outs = [llm.generate([prompts[0]], params)[0]]
+        alone = sum(to_mkl)
+        outs += llm.generate(prompts, params)
+    layers = llm.config.hf_config.num_hidden_layers
+    assert alone >= 9 * (3 * layers + 1), alone               # 9 decode steps x (qkv, o, down a layer; the head)
     for out, ref in zip(outs, refs[:1] + refs):
         assert out.token_ids == ref[0]
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
