@@ -1,7 +1,7 @@
 """What the kernels torch offers allow on this machine: the ceilings under the ``peers.py`` rows that stay
 below their targets, each measured side by side with what it bounds, in one run:
 
-    .venv/bin/python bench/ceilings.py [--quick] [--rounds 5] [--only gemm,bf16,attention]
+    .venv/bin/python bench/ceilings.py [--quick] [--rounds 5] [--only gemm,shapes,bf16,attention]
 
 1. **gemm**: the layers' weight matrices of Qwen2.5-0.5B's shape (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
    ``down_proj``; 24 layers; fp32), each set through each fp32 kernel torch has for it: oneDNN on the layout
@@ -11,12 +11,15 @@ below their targets, each measured side by side with what it bounds, in one run:
    The weights are allocated plain first, then packed: on the Xeon VM of the README weights allocated
    later in a process streamed up to ~15% faster (bench/README.md, "Build order"), a bias that favours
    the packed layout here.
-2. **bf16**: the same matrices in bf16 at one row: oneDNN packed (tplab's bf16 path), ``torch.mv`` on the
+2. **shapes**: each of a layer's four matrix shapes alone (every layer's copy of it), fp32, at 1, 2, 4 and 16 rows:
+   oneDNN packed, oneDNN plain, ``F.linear``. The table behind ``Gemm.few_rows_mkl``: which shapes MKL wins at
+   one or two rows, and what keeping them plain costs a batch.
+3. **bf16**: the same matrices in bf16 at one row: oneDNN packed (tplab's bf16 path), ``torch.mv`` on the
    plain layout, and their speed-up over fp32's fastest kernel in the same round: the ceiling of bf16/fp32
    at batch 1, which halving the bytes would make 2.0 if the kernels streamed as fast as fp32's.
    ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` (or another level) in the environment caps the instructions
    oneDNN may use, to compare its AMX and AVX-512 kernels.
-3. **attention**: a decode step's attention for the 16-request row (16 sequences of 49-289 keys, 14 query
+4. **attention**: a decode step's attention for the 16-request row (16 sequences of 49-289 keys, 14 query
    heads on 2 KV heads, blocks of 16 scattered over the cache), one layer's cache after another, each evicted
    first by a 60 MB read (a decode step streams its layer's weights between two attentions):
    tplab's ``paged_decode``, and the two ``index_select``s that gather the KV blocks alone. The gather is
@@ -49,7 +52,8 @@ def kernels(shape: dict, dtype: torch.dtype, rows: int) -> tuple[dict, int]:
              for n, (o, i) in layer_shapes(shape).items()}
     xs = {i: torch.randn(rows, i).to(dtype) for _, i in layer_shapes(shape).values()}   # one input per width
     nbytes = sum(w.numel() * w.element_size() for ws in plain.values() for w in ws)
-    gemm = Gemm.choose(onednn=True, pack=True, dtype=dtype)        # what this machine does in dtype, as tplab
+    # what this machine does in dtype, as tplab; oneDNN for every row count (MKL is its own column)
+    gemm = Gemm.choose(onednn=True, pack=True, dtype=dtype, few_rows_mkl=False)
     flat = [(xs[w.shape[1]], w) for ws in plain.values() for w in ws]
     fns = {}
     if gemm.pack:
@@ -85,6 +89,27 @@ def gemm(shape, rounds, gib) -> None:
             print(f"| {k} | {median(v) * 1e3:.1f} | {nbytes / median(v) / 1e9:.1f} | {frac:.2f} "
                   f"| {paired(v, t[best]):.2f} |")
         del fns
+
+
+def shapes(shape, rounds) -> None:
+    """Each of a layer's matrix shapes alone (all layers' copies of it), through each fp32 kernel, at few rows and
+    at 16: where MKL's few-row product wins and what the plain layout costs a batch (``Gemm.few_rows_mkl``)."""
+    print("\n## shapes: each of a layer's matrices (every layer's copy), fp32, ms (median)")
+    gemm = Gemm.choose(onednn=True, pack=True, few_rows_mkl=False)     # oneDNN at any rows; MKL its own column
+    if not gemm.pack:
+        print("(no oneDNN packing here: nothing to compare)")
+        return
+    layers = shape["num_hidden_layers"]
+    weights = {n: [torch.randn(o, i).mul_(0.02) for _ in range(layers)] for n, (o, i) in layer_shapes(shape).items()}
+    packed = {n: [gemm.packed(w) for w in ws] for n, ws in weights.items()}
+    print("| matrices | rows | oneDNN packed | oneDNN plain | F.linear (MKL) |\n|---|---|---|---|---|")
+    for rows in (1, 2, 4, 16):
+        for name, ws in weights.items():
+            x = torch.randn(rows, ws[0].shape[1])
+            t = interleaved({"packed": lambda: [gemm.linear(x, w) for w in packed[name]],
+                             "plain": lambda: [gemm.linear(x, w) for w in ws],
+                             "mkl": lambda: [F.linear(x, w) for w in ws]}, rounds)
+            print(f"| {name} | {rows} | " + " | ".join(f"{median(v) * 1e3:.2f}" for v in t.values()) + " |")
 
 
 def bf16(shape, rounds) -> None:
@@ -148,7 +173,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a small shape: checks the script")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--only", default="gemm,bf16,attention")
+    ap.add_argument("--only", default="gemm,shapes,bf16,attention")
     args = ap.parse_args()
     shape = QUICK_SHAPE if args.quick else QWEN25_05B
     set_threads(Settings.make(args.quick).threads)                  # the cores, as every bench item
@@ -157,6 +182,8 @@ def main():
     with torch.inference_mode():
         if "gemm" in only:
             gemm(shape, args.rounds, 0.25 if args.quick else 1.0)
+        if "shapes" in only:
+            shapes(shape, args.rounds)
         if "bf16" in only:
             bf16(shape, args.rounds)
         if "attention" in only:
