@@ -11,10 +11,13 @@ Per dtype (fp32, bf16), on the 0.5B-shape random checkpoint (``common.checkpoint
 
 Without CUDA it says so and exits 0. ``--device cpu --quick`` runs every step on the CPU (a dry run of this
 script). Results go to ``--out`` (JSON) after every section, so a run cut off keeps what it measured.
-``--profile PREFIX`` also writes torch.profiler tables of HF and tplab generating for the batch.
+``--profile PREFIX`` also writes, per engine, the ops of one decode step at the batch: a 9-token generate's
+profile less a 1-token one's (the prefill), over 8.
 
 On an H200 (bench/results-gpu-h200.json) tplab's eager step took about as long as HF's at one row but
-about 1.5x as long at 16: the next GPU session's first question (``--profile``).
+about 1.5x as long at 16. A profile of a whole 9-token generate (bench/results-gpu-h200-profile-bf16.txt)
+had tplab launching 1.75x HF's kernels, the prefill's sequence-by-sequence attention among them; the
+per-step table above separates the decode step, the next GPU session's first question.
 """
 import argparse
 import json
@@ -144,15 +147,27 @@ def host_syncs(run, prompts) -> dict:
 
 
 def profile_table(run, prompts, device) -> str:
-    """torch.profiler over a 9-token generate of ``prompts`` (prefill and 8 decode steps): the ops by their
-    own host time, and on a GPU by their own device time."""
+    """torch.profiler over a 9-token generate of ``prompts`` and over a 1-token one (the prefill alone): the
+    ops of one decode step as their difference over 8, so a prefill that runs sequence by sequence does not
+    hide in it. Calls, own host time and, on a GPU, own device time per step, and kernel launches."""
     from torch.profiler import ProfilerActivity, profile
     cuda = torch.device(device).type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        run(prompts, 9)
-    table = prof.key_averages()
-    out = table.table(sort_by="self_cpu_time_total", row_limit=30)
-    return out + ("\n" + table.table(sort_by="self_device_time_total", row_limit=30) if cuda else "")
+
+    def ops(n):
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            run(prompts, n)
+        return {e.key: (e.count, e.self_cpu_time_total, getattr(e, "self_device_time_total", 0.0))
+                for e in prof.key_averages()}
+
+    nine, one = ops(9), ops(1)
+    step = {k: tuple((a - b) / 8 for a, b in zip(v, one.get(k, (0, 0.0, 0.0)))) for k, v in nine.items()}
+    lines = [f"{'op (per decode step)':<60} {'calls':>8} {'host us':>10} {'device us':>10}"]
+    for k, (n, host, dev) in sorted(step.items(), key=lambda kv: -kv[1][1])[:40]:
+        lines.append(f"{k[:60]:<60} {n:>8.1f} {host:>10.1f} {dev:>10.1f}")
+    launches = sum(n for k, (n, _, _) in step.items() if k.startswith(("cudaLaunchKernel", "cuLaunchKernel")))
+    lines.append(f"kernel launches per decode step: {launches:.0f}; host us per step, all ops' own: "
+                 f"{sum(h for _, h, _ in step.values()):.0f}; device us: {sum(d for _, _, d in step.values()):.0f}")
+    return "\n".join(lines) + "\n"
 
 
 def first_calls(run, one, batch) -> float:
