@@ -2,7 +2,7 @@
 so that bad input fails with a message that says what to change, before any rank starts."""
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,9 +11,12 @@ import torch.distributed as dist
 
 from tplab.distributed.launcher import pick_backend
 from tplab.engine.parts import Parts, resolve
+from tplab.layers.attention import Attention
 from tplab.layers.linear import ReturnsPartialSums, check_heads_divisible, valid_tp_sizes
 from tplab.layers.rotary import check_rope_supported
+from tplab.layers.vllm_attention import VllmCpuAttention, fallback_reason, say_fallback
 from tplab.models.loader import checkpoint_files
+from tplab.models.qwen2 import head_dim_of
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -179,8 +182,21 @@ def _resolved(cfg: EngineConfig) -> dict:
     check_sequence_parallel(cfg.sequence_parallel, cfg.tensor_parallel_size, parts)
     world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     backend = dist.get_backend() if dist.is_initialized() else pick_backend(world, cfg.backend)
-    return dict(model=model, dtype=resolve_dtype(cfg.dtype, hf), hf_config=plain_config(hf), bugs=bugs,
-                parts=parts, backend=backend, device=_device(cfg, backend))
+    dtype, device = resolve_dtype(cfg.dtype, hf), _device(cfg, backend)
+    return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs,
+                parts=_attention_kernel_here(parts, device, dtype, hf), backend=backend, device=device)
+
+
+def _attention_kernel_here(parts: Parts, device, dtype, hf) -> Parts:
+    """``parts``, with tplab's ``Attention`` in place of ``VllmCpuAttention`` where its kernel cannot run (and
+    one line saying why): decided here, once, so that every rank builds the same cache layout."""
+    if parts.attention is not VllmCpuAttention:
+        return parts
+    why = fallback_reason(torch.device(device), dtype, head_dim_of(hf))
+    if why is None:
+        return parts
+    say_fallback(why)
+    return replace(parts, attention=Attention)
 
 
 def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts) -> None:

@@ -9,7 +9,7 @@ every sequence's slots from its block table; ``build_metadata`` builds them from
 Shape legend: T new tokens in the step, B sequences, Lq new tokens of one sequence, Lk its keys
 (cached + new), N the keys of all B sequences.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,8 @@ class AttentionMetadata:
     kv_start_loc: list[int]       # B + 1 ints: where each sequence's keys start in kv_slots; the last is N
     visible: list[torch.Tensor]   # B bool masks (Lq, Lk): causal_visible(Lq, Lk), True = may attend
     decode: DecodeBlocks | None = None  # the blocks of the sequences with one new token, for paged_decode
+    block_tables: list[list[int]] = field(default_factory=list)  # B lists: each sequence's blocks, in order
+    per_step: dict = field(default_factory=dict, repr=False)  # what a part makes once a step for every layer
 
     @property
     def num_seqs(self) -> int:
@@ -140,7 +142,8 @@ class MetadataBuilder:
             positions=torch.tensor(expected, dtype=torch.long, device=self.device),
             slot_mapping=torch.cat(new_parts), query_start_loc=q_start, seq_lens=list(context_lens),
             kv_slots=torch.cat(kv_parts), kv_start_loc=kv_start, visible=visible,
-            decode=decode_blocks(query_lens, context_lens, block_tables, self.block_size, self.device))
+            decode=decode_blocks(query_lens, context_lens, block_tables, self.block_size, self.device),
+            block_tables=[list(t) for t in block_tables])
 
     def forget(self, seq_id: int) -> None:
         self._slots.pop(seq_id, None)

