@@ -2,7 +2,9 @@
 against HF ``generate`` on the same checkpoint, same process, same threads; plus cProfile of tplab's
 Python side.
 
-    .venv/bin/python bench/profile_decode.py [--quick] [--steps 8] [--rows 25] [--threads N] [--compile]
+    .venv/bin/python bench/profile_decode.py [--quick] [--steps 8] [--rows 25] [--threads N] [--compile] [--batch B]
+
+``--batch B`` decodes B requests together (B prompts of the same length, so HF needs no padding).
 
 ``--compile`` profiles tplab's compiled path (``LLM(compile=True)``): its fused C++ loops show as
 ``## Call CompiledFxGraph`` rows, the matmuls and attention as ``tplab::linear`` / ``tplab::attention``.
@@ -25,7 +27,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from common import Settings, checkpoint, inproc_engine, prompt_ids  # noqa: E402
-from decode import hf_generate, load_hf, tplab_generate  # noqa: E402
+from decode import load_hf  # noqa: E402
 
 
 class DecodeOnly:
@@ -75,13 +77,14 @@ def main():
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores)")
     ap.add_argument("--compile", action="store_true", help="tplab with compile=True (tplab.engine.compiled)")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together")
     args = ap.parse_args()
     s = Settings.make(args.quick, args.threads)
     torch.set_num_threads(s.threads)
     ckpt = checkpoint(s)
     from tplab import LLM
 
-    prompt = prompt_ids(s.prompt_len)
+    prompts = [prompt_ids(s.prompt_len, seed=1 + i) for i in range(args.batch)]
     hf = load_hf(ckpt)
     llm = LLM(ckpt, tensor_parallel_size=1, dtype="float32", kv_cache_memory=256 << 20, compile=args.compile)
     runner = inproc_engine(llm).runner
@@ -96,8 +99,15 @@ def main():
         hf.forward = w
         return w
 
-    call_tplab = lambda n: tplab_generate(llm, prompt, n)
-    call_hf = lambda n: hf_generate(hf, prompt, n)
+    def call_tplab(n):
+        from tplab import SamplingParams
+        return llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+
+    def call_hf(n):
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                               min_new_tokens=n, pad_token_id=0, eos_token_id=None)
     call_tplab(2), call_hf(2)  # warm-up
 
     # plain per-step times first (no profiler overhead), interleaved
@@ -106,7 +116,7 @@ def main():
         plain["tplab"] += timed_only(install_tplab, call_tplab, args.steps)
         plain["hf"] += timed_only(install_hf, call_hf, args.steps)
     med = {k: sorted(v)[len(v) // 2] for k, v in plain.items()}
-    print(f"# {s.name}, {s.threads} torch threads, prompt {len(prompt)}{', tplab compiled' * args.compile}")
+    print(f"# {s.name}, {s.threads} torch threads, {args.batch} prompt(s) of {s.prompt_len}{', tplab compiled' * args.compile}")
     print(f"# decode step, no profiler (median of {len(plain['tplab'])} steps): "
           f"tplab {med['tplab'] * 1e3:.1f} ms, HF {med['hf'] * 1e3:.1f} ms (HF step = its forward only)\n")
 
