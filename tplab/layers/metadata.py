@@ -143,7 +143,7 @@ class MetadataBuilder:
             slot_mapping=torch.cat(new_parts), query_start_loc=q_start, seq_lens=list(context_lens),
             kv_slots=torch.cat(kv_parts), kv_start_loc=kv_start, visible=visible,
             decode=decode_blocks(query_lens, context_lens, block_tables, self.block_size, self.device),
-            block_tables=[list(t) for t in block_tables])
+            block_tables=block_tables)
 
     def forget(self, seq_id: int) -> None:
         self._slots.pop(seq_id, None)
