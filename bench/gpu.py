@@ -16,8 +16,8 @@ profile less a 1-token one's (the prefill), over 8.
 
 On an H200 (bench/results-gpu-h200.json) tplab's eager step took about as long as HF's at one row but
 about 1.5x as long at 16. A profile of a whole 9-token generate (bench/results-gpu-h200-profile-bf16.txt)
-had tplab launching 1.75x HF's kernels, the prefill's sequence-by-sequence attention among them; the
-per-step table above separates the decode step, the next GPU session's first question.
+had tplab launching 1.75x HF's kernels, the prefill's sequence-by-sequence attention among them. The
+per-step table that ``--profile`` writes now leaves the prefill out: the next GPU session's first question.
 """
 import argparse
 import json

