@@ -21,9 +21,9 @@ from common import (Row, Settings, decode_bytes_per_token, interleaved, log, med
                     prompt_ids, read_bandwidth, standalone)
 
 
-def load_hf(ckpt):
+def load_hf(ckpt, dtype=torch.float32):
     from transformers import Qwen2ForCausalLM
-    return Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
 
 
 def hf_generate(model, prompt: list[int], n: int) -> list[int]:

