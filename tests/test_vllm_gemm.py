@@ -61,6 +61,18 @@ def test_bf16_agrees_with_hf_bf16_as_tplabs_does(hf_bf16_reference, tp, parts):
 
 
 @needs_kernel
+def test_bf16_without_amx_multiplies_on_onednns_matmul_and_agrees_too(hf_bf16_reference, monkeypatch):
+    """A CPU with bf16 instructions but no AMX (AMD Zen 4, Intel before Sapphire Rapids; simulated): every
+    bf16 weight goes to oneDNN's matmul handler, as vLLM sends it, with the same agreement with HF bf16."""
+    monkeypatch.setattr(vllm_gemm.torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with LLM(models.tiny_stories(), dtype="bfloat16", parts=PART) as llm:
+        packed = [m.packed_weight for m in llm._worker.engine.model.modules() if getattr(m, "packed_weight", None)]
+        assert packed and not any(p.brgemm for p in packed)
+        outs = llm.generate(hf_bf16_reference[0], SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert_agrees_with_hf_bf16(outs, hf_bf16_reference)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_layers_multiply_with_the_kernels(dtype):
     """Not a silent fallback: every packed weight is a ``VllmMatmul``, bf16 ones on the brgemm kernel where
