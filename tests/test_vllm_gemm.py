@@ -9,18 +9,17 @@ CI installs it); the fallback tests run everywhere."""
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, needs_vllm_kernels
 from test_bf16 import NEW, assert_agrees_with_hf_bf16, hf_bf16_reference  # noqa: F401 (a fixture)
 from tplab import LLM, SamplingParams, models
 from tplab.engine import config
 from tplab.layers import vllm_gemm
 from tplab.layers.cpu_gemm import Gemm, GemmLayer, mkl_fast_here
 from tplab.layers.vllm_attention import VllmCpuAttention
-from tplab.layers.vllm_gemm import VllmCpuGemm, VllmMatmul, load_kernel
+from tplab.layers.vllm_gemm import VllmCpuGemm, VllmMatmul
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PART = {"gemm": VllmCpuGemm}
-needs_kernel = pytest.mark.skipif(load_kernel() is not None, reason=f"vLLM's CPU kernels: {load_kernel()}")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def reference(gqa, prompts, hf_model):
     return [hf_greedy(hf_model(gqa), p, GREEDY.max_tokens) for p in prompts]
 
 
-@needs_kernel
+@needs_vllm_kernels
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fp32_equals_hf(gqa, prompts, reference, tp):
     """Four sequences decoding together (vLLM's kernels), then one alone (one row: MKL's, where few_rows_mkl)."""
@@ -51,7 +50,7 @@ def test_fp32_equals_hf(gqa, prompts, reference, tp):
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
 
 
-@needs_kernel
+@needs_vllm_kernels
 @pytest.mark.parametrize("tp, parts", [(1, PART), (2, {**PART, "attention": VllmCpuAttention})],
                          ids=["tp1", "tp2_with_vllm_attention"])
 def test_bf16_agrees_with_hf_bf16_as_tplabs_does(hf_bf16_reference, tp, parts):
@@ -60,7 +59,7 @@ def test_bf16_agrees_with_hf_bf16_as_tplabs_does(hf_bf16_reference, tp, parts):
     assert_agrees_with_hf_bf16(outs, hf_bf16_reference)
 
 
-@needs_kernel
+@needs_vllm_kernels
 def test_bf16_without_amx_multiplies_on_onednns_matmul_and_agrees_too(hf_bf16_reference, monkeypatch):
     """A CPU with bf16 instructions but no AMX (AMD Zen 4, Intel before Sapphire Rapids; simulated): every
     bf16 weight goes to oneDNN's matmul handler, as vLLM sends it, with the same agreement with HF bf16."""
@@ -72,7 +71,7 @@ def test_bf16_without_amx_multiplies_on_onednns_matmul_and_agrees_too(hf_bf16_re
     assert_agrees_with_hf_bf16(outs, hf_bf16_reference)
 
 
-@needs_kernel
+@needs_vllm_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_layers_multiply_with_the_kernels(dtype):
     """Not a silent fallback: every packed weight is a ``VllmMatmul``, bf16 ones on the brgemm kernel where
