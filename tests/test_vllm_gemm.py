@@ -112,3 +112,10 @@ def test_weights_kept_readable_multiply_as_tplab():
     for dtype in (torch.float32, torch.bfloat16):
         assert VllmCpuGemm.choose(True, False, dtype) == Gemm.choose(True, False, dtype)
         assert type(VllmCpuGemm.choose(True, False, dtype)) is Gemm
+
+
+@needs_vllm_kernels
+def test_with_onednn_off_every_weight_goes_to_the_kernels():
+    """``onednn=False`` (``TPLAB_ONEDNN=0``): no weight stays plain for torch's oneDNN op or MKL."""
+    gemm = VllmCpuGemm.choose(False, True, torch.float32)
+    assert type(gemm) is VllmCpuGemm and not gemm.onednn and not gemm.few_rows_mkl

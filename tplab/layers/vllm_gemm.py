@@ -94,15 +94,17 @@ class VllmCpuGemm(Gemm):
     @classmethod
     def choose(cls, onednn: bool, pack: bool, dtype: torch.dtype = torch.float32,
                few_rows_mkl: bool = True) -> Gemm:
-        """vLLM's kernels for every weight a layer packs; with ``pack`` False (weights kept readable),
-        tplab's ``Gemm`` as it would be chosen."""
+        """vLLM's kernels for every weight a layer packs; on Intel in fp32 the MKL layers' weights kept plain,
+        as tplab's ``Gemm`` keeps them (not with ``onednn`` off: then every weight goes to the kernels). With
+        ``pack`` False (weights kept readable), tplab's ``Gemm`` as it would be chosen."""
         if not pack:
             return Gemm.choose(onednn, pack, dtype, few_rows_mkl)
         why = load_kernel()                     # in this process: a rank loads the library for itself
         if why is not None:
             raise RuntimeError(f"VllmCpuGemm cannot run here: {why}. Leave it out of parts, or build the "
                                "engine with LLM(...), which falls back to tplab's Gemm")
-        return cls(onednn=True, pack=True, few_rows_mkl=few_rows_mkl and dtype == torch.float32 and mkl_fast_here())
+        onednn = onednn and onednn_available(dtype)      # for the weights kept plain: torch's oneDNN op, or F.linear
+        return cls(onednn, True, onednn and few_rows_mkl and dtype == torch.float32 and mkl_fast_here())
 
     def can_pack(self, weight: torch.Tensor) -> bool:
         return self.pack and weight.device.type == "cpu" and weight.dtype in DTYPES
