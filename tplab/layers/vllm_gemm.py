@@ -45,7 +45,6 @@ class VllmMatmul:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.shape, self.dtype = weight.shape, weight.dtype
         self.brgemm = brgemm_fits(weight)
         self.handler = None
         if self.brgemm:
