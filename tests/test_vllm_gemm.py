@@ -13,7 +13,7 @@ from conftest import hf_greedy, needs_vllm_kernels
 from test_bf16 import NEW, assert_agrees_with_hf_bf16, hf_bf16_reference  # noqa: F401 (a fixture)
 from tplab import LLM, SamplingParams, models
 from tplab.engine import config
-from tplab.layers import vllm_gemm
+from tplab.layers import vllm_cpu
 from tplab.layers.cpu_gemm import Gemm, GemmLayer, mkl_fast_here
 from tplab.layers.vllm_attention import VllmCpuAttention
 from tplab.layers.vllm_gemm import VllmCpuGemm, VllmMatmul
@@ -63,7 +63,7 @@ def test_bf16_agrees_with_hf_bf16_as_tplabs_does(hf_bf16_reference, tp, parts):
 def test_bf16_without_amx_multiplies_on_onednns_matmul_and_agrees_too(hf_bf16_reference, monkeypatch):
     """A CPU with bf16 instructions but no AMX (AMD Zen 4, Intel before Sapphire Rapids; simulated): every
     bf16 weight goes to oneDNN's matmul handler, as vLLM sends it, with the same agreement with HF bf16."""
-    monkeypatch.setattr(vllm_gemm.torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     with LLM(models.tiny_stories(), dtype="bfloat16", parts=PART) as llm:
         packed = [m.packed_weight for m in llm._worker.engine.model.modules() if getattr(m, "packed_weight", None)]
         assert packed and not any(p.brgemm for p in packed)
@@ -92,7 +92,7 @@ def test_without_the_kernels_the_engine_multiplies_as_tplab_and_says_why(gqa, pr
     """The wheel missing (simulated): one line naming the reason, then tplab's own ``Gemm``, bit for bit."""
     with LLM(gqa) as llm:
         base = llm.generate(prompts, GREEDY)
-    monkeypatch.setattr(vllm_gemm, "load_kernel", lambda: "simulated: vllm-cpu is not installed")
+    monkeypatch.setattr(vllm_cpu, "load_kernel", lambda: "simulated: vllm-cpu is not installed")
     config._say_once.cache_clear()
     with LLM(gqa, parts=PART) as llm:
         assert llm._worker.engine.cfg.parts.gemm is Gemm

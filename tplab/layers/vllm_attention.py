@@ -22,10 +22,9 @@ import torch
 
 from tplab.layers.attention import Attention
 from tplab.layers.metadata import AttentionMetadata
-from tplab.layers.vllm_cpu import load_kernel
+from tplab.layers.vllm_cpu import cannot_run_here, require
 
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)   # the kernel's (vLLM's CPU backend lists them)
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 def isa(dtype: torch.dtype, block_size: int) -> str:
@@ -42,21 +41,14 @@ class VllmCpuAttention(Attention):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, attend=None):
         super().__init__(num_heads, num_kv_heads, head_dim)
-        why = load_kernel()                     # in this process: a rank loads the library for itself
-        if why is not None:
-            raise RuntimeError(f"VllmCpuAttention cannot run here: {why}. Leave it out of parts, or "
-                               "build the engine with LLM(...), which falls back to tplab's Attention")
+        require("VllmCpuAttention", "Attention")
 
     @classmethod
     def cannot_run(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         """Why the kernel cannot run an engine on ``device`` in ``dtype`` with heads of ``head_dim``, or None."""
-        if torch.device(device).type != "cpu":
-            return f"it is a CPU kernel, and the engine runs on {device}"
-        if dtype not in DTYPES:
-            return f"it runs float32 and bfloat16, not {dtype}"
         if head_dim not in HEAD_DIMS:
             return f"it has no kernel for head_dim {head_dim} (it has {', '.join(map(str, HEAD_DIMS))})"
-        return load_kernel()
+        return cannot_run_here(device, dtype)
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,

@@ -52,3 +52,24 @@ def load_kernel() -> str | None:
     except (OSError, RuntimeError, AttributeError) as e:
         return f"its library did not load: {e}"
     return None
+
+
+DTYPES = (torch.float32, torch.bfloat16)       # what the kernels tplab calls multiply and attend in
+
+
+def cannot_run_here(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot run an engine on ``device`` in ``dtype``, or None: the checks every part that
+    calls them shares (a part adds its own, e.g. the attention kernel's head sizes)."""
+    if torch.device(device).type != "cpu":
+        return f"vLLM's CPU kernels run on CPU, and the engine runs on {device}"
+    if dtype not in DTYPES:
+        return f"vLLM's CPU kernels run float32 and bfloat16, not {dtype}"
+    return load_kernel()
+
+
+def require(part: str, tplabs: str) -> None:
+    """Load the kernels in this process (a rank loads the library for itself), or raise saying what to do."""
+    why = load_kernel()
+    if why is not None:
+        raise RuntimeError(f"{part} cannot run here: {why}. Leave it out of parts, or build the engine with "
+                           f"LLM(...), which falls back to tplab's {tplabs}")

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from tplab.layers.cpu_gemm import Gemm, mkl_fast_here, onednn_available
-from tplab.layers.vllm_cpu import load_kernel
+from tplab.layers.vllm_cpu import DTYPES, cannot_run_here, require
 
-DTYPES = (torch.float32, torch.bfloat16)
 PRIMITIVE_CACHE = 32        # oneDNN primitives a handler keeps, one per row count seen (vLLM's value)
 
 
@@ -82,13 +81,9 @@ class VllmCpuGemm(Gemm):
     @classmethod
     def cannot_run(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why the kernels cannot multiply for an engine on ``device`` in ``dtype``, or None."""
-        if torch.device(device).type != "cpu":
-            return f"they are CPU kernels, and the engine runs on {device}"
-        if dtype not in DTYPES:
-            return f"they run float32 and bfloat16, not {dtype}"
         if dtype == torch.bfloat16 and not onednn_available(dtype):
             return "this CPU has no bf16 instructions (AVX-512 bf16 or AMX) for them"
-        return load_kernel()
+        return cannot_run_here(device, dtype)
 
     @classmethod
     def choose(cls, onednn: bool, pack: bool, dtype: torch.dtype = torch.float32,
@@ -98,10 +93,7 @@ class VllmCpuGemm(Gemm):
         ``pack`` False (weights kept readable), tplab's ``Gemm`` as it would be chosen."""
         if not pack:
             return Gemm.choose(onednn, pack, dtype, few_rows_mkl)
-        why = load_kernel()                     # in this process: a rank loads the library for itself
-        if why is not None:
-            raise RuntimeError(f"VllmCpuGemm cannot run here: {why}. Leave it out of parts, or build the "
-                               "engine with LLM(...), which falls back to tplab's Gemm")
+        require("VllmCpuGemm", "Gemm")
         onednn = onednn and onednn_available(dtype)      # for the weights kept plain: torch's oneDNN op, or F.linear
         return cls(onednn, True, onednn and few_rows_mkl and dtype == torch.float32 and mkl_fast_here())
 
