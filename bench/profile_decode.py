@@ -3,6 +3,7 @@ against HF ``generate`` on the same checkpoint, same process, same threads; plus
 Python side.
 
     .venv/bin/python bench/profile_decode.py [--quick] [--steps 8] [--rows 25] [--threads N] [--compile] [--batch B]
+        [--dtype D] [--vllm-attention] [--vllm-gemm]
 
 ``--batch B`` decodes B requests together (B prompts of the same length, so HF needs no padding).
 
@@ -80,6 +81,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1, help="requests decoded together")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines' dtype")
     ap.add_argument("--vllm-attention", action="store_true", help="tplab with VllmCpuAttention")
+    ap.add_argument("--vllm-gemm", action="store_true", help="tplab with VllmCpuGemm")
     args = ap.parse_args()
     s = Settings.make(args.quick, args.threads)
     torch.set_num_threads(s.threads)
@@ -92,6 +94,9 @@ def main():
     if args.vllm_attention:
         from tplab.layers.vllm_attention import VllmCpuAttention
         parts["attention"] = VllmCpuAttention
+    if args.vllm_gemm:
+        from tplab.layers.vllm_gemm import VllmCpuGemm
+        parts["gemm"] = VllmCpuGemm
     llm = LLM(ckpt, tensor_parallel_size=1, dtype=args.dtype, kv_cache_memory=256 << 20, compile=args.compile,
               parts=parts)
     runner = inproc_engine(llm).runner
@@ -124,7 +129,7 @@ def main():
         plain["hf"] += timed_only(install_hf, call_hf, args.steps)
     med = {k: sorted(v)[len(v) // 2] for k, v in plain.items()}
     print(f"# {s.name}, {s.threads} torch threads, {args.batch} prompt(s) of {s.prompt_len}{', tplab compiled' * args.compile}, "
-          f"{args.dtype}{', VllmCpuAttention' * args.vllm_attention}")
+          f"{args.dtype}{', VllmCpuAttention' * args.vllm_attention}{', VllmCpuGemm' * args.vllm_gemm}")
     print(f"# decode step, no profiler (median of {len(plain['tplab'])} steps): "
           f"tplab {med['tplab'] * 1e3:.1f} ms, HF {med['hf'] * 1e3:.1f} ms (HF step = its forward only)\n")
 

@@ -66,51 +66,21 @@ _step: dict = {"kv_caches": None, "meta": None, "attentions": None, "linears": N
 _said: set[str] = set()                                                             # fallback lines printed
 
 
-@torch.library.custom_op("tplab::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer ``layer``'s attention part on this step: q ``(T, H, D)``, k and v ``(T, H_kv, D)`` -> ``(T, H * D)``.
-    Writes k and v into the layer's KV cache (``_step``), which the graph never holds."""
-    out = _step["attentions"][layer](q, k, v, _step["kv_caches"][layer], _step["meta"])
-    return out.clone() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
+_LIB = torch.library.Library("tplab", "FRAGMENT")
 
 
-@_attention.register_fake
-def _(q, k, v, layer):
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-
-@torch.library.custom_op("tplab::linear", mutates_args=())
-def _linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
-    """Linear layer ``index`` of the model, its own ``forward``: ``(T, in) -> (T, out_features)``."""
-    out = _step["linears"][index](x)
-    return out.clone() if out.data_ptr() == x.data_ptr() else out
-
-
-@_linear.register_fake
-def _(x, index, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
-# The collectives, as ops the graph holds (dynamo cannot trace shared memory or a process group): each runs
-# tplab's own collective on a copy (an op may not return its input), so the path and the bits are the same.
-@torch.library.custom_op("tplab::all_reduce", mutates_args=())
-def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
-    return parallel_state.all_reduce(x.clone(), tp_size)
-
-
-@torch.library.custom_op("tplab::all_gather", mutates_args=())
-def _all_gather(x: torch.Tensor, tp_size: int, dim: int) -> torch.Tensor:
-    return parallel_state.all_gather(x, tp_size, dim)
-
-
-@torch.library.custom_op("tplab::reduce_scatter", mutates_args=())
-def _reduce_scatter(x: torch.Tensor, tp_size: int, dim: int) -> torch.Tensor:
-    return parallel_state.reduce_scatter(x, tp_size, dim)
-
-
-@_all_reduce.register_fake
-def _(x, tp_size):
-    return torch.empty_like(x)
+def _op(fake):
+    """Make the function ``tplab::<its name without the underscore>``, an op for every device, with ``fake``
+    (its output's shape) for tracing. Defined on the dispatcher directly, as vLLM's
+    ``direct_register_custom_op`` does: ``torch.library.custom_op`` wraps every call in a Python layer
+    of its own, and a step of 16 sequences calls these ops about a hundred times (README)."""
+    def define(fn):
+        name = fn.__name__.lstrip("_")
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        _LIB._register_fake(name, fake)
+        return fn
+    return define
 
 
 def _resized(x, dim, size):
@@ -119,8 +89,36 @@ def _resized(x, dim, size):
     return x.new_empty(shape)
 
 
-_all_gather.register_fake(lambda x, tp_size, dim: _resized(x, dim, x.shape[dim] * tp_size))
-_reduce_scatter.register_fake(lambda x, tp_size, dim: _resized(x, dim, x.shape[dim] // tp_size))
+@_op(fake=lambda q, k, v, layer: q.new_empty(q.shape[0], q.shape[1] * q.shape[2]))
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s attention part on this step: q ``(T, H, D)``, k and v ``(T, H_kv, D)`` -> ``(T, H * D)``.
+    Writes k and v into the layer's KV cache (``_step``), which the graph never holds."""
+    out = _step["attentions"][layer](q, k, v, _step["kv_caches"][layer], _step["meta"])
+    return out.clone() if out.data_ptr() in (q.data_ptr(), k.data_ptr(), v.data_ptr()) else out
+
+
+@_op(fake=lambda x, index, out_features: _resized(x, -1, out_features))
+def _linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    """Linear layer ``index`` of the model, its own ``forward``: ``(T, in) -> (T, out_features)``."""
+    out = _step["linears"][index](x)
+    return out.clone() if out.data_ptr() == x.data_ptr() else out
+
+
+# The collectives, as ops the graph holds (dynamo cannot trace shared memory or a process group): each runs
+# tplab's own collective on a copy (an op may not return its input), so the path and the bits are the same.
+@_op(fake=lambda x, tp_size: torch.empty_like(x))
+def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    return parallel_state.all_reduce(x.clone(), tp_size)
+
+
+@_op(fake=lambda x, tp_size, dim: _resized(x, dim, x.shape[dim] * tp_size))
+def _all_gather(x: torch.Tensor, tp_size: int, dim: int) -> torch.Tensor:
+    return parallel_state.all_gather(x, tp_size, dim)
+
+
+@_op(fake=lambda x, tp_size, dim: _resized(x, dim, x.shape[dim] // tp_size))
+def _reduce_scatter(x: torch.Tensor, tp_size: int, dim: int) -> torch.Tensor:
+    return parallel_state.reduce_scatter(x, tp_size, dim)
 
 
 @functools.cache
