@@ -9,7 +9,8 @@ Hugging Face, on a random checkpoint of Qwen2.5-0.5B's exact shape, greedy, with
 Rows (ratio = tplab / peer, measured side by side: rounds alternate tplab and the peer, order reversed
 every other round, and the ratio is the median of per-round ratios, because this machine's load moves):
   decode     batch 1, TP 1, fp32: tplab vs CTranslate2, and vs vLLM CPU; rate = (n - 1) / (t[n] - t[1])
-  batch16    16 concurrent requests of different lengths, TP 1 and TP 2: tplab vs vLLM CPU, tok/s of the call
+  batch16    16 concurrent requests of different lengths, TP 1 and TP 2: tplab (``few_rows_mkl=False``, the setting
+             for an engine that batches) vs vLLM CPU, tok/s of the call
              (prefill included; prefix caching off in both, or vLLM's default would serve every round after
              the first from its cached prompt blocks: measured, 4.0 s instead of 8.4 s for the 16 prompts)
   prefill    8192- and 2048-token prompts: tplab generate(max_tokens=1) vs HF's forward; the 8192 row runs
@@ -161,7 +162,10 @@ def run_decode(ckpt, cfg, quick, compile=False):
 def run_batch16(ckpt, cfg, quick, compile=False):
     prompts, n, rows = batch_prompts(quick), cfg["batch_new"], []
     for tp in (1, 2):
-        llms = tplab_engines(ckpt, compile, tensor_parallel_size=tp, dtype="float32", kv_cache_memory=512 << 20)
+        # few_rows_mkl off: the setting for an engine that batches (README, "MKL for one or two rows"); the
+        # batch-1 rows keep the default
+        llms = tplab_engines(ckpt, compile, tensor_parallel_size=tp, dtype="float32", kv_cache_memory=512 << 20,
+                             few_rows_mkl=False)
         try:
             peer = Peer("vllm", ckpt, tp=tp, max_model_len=4096)
             try:
@@ -172,7 +176,7 @@ def run_batch16(ckpt, cfg, quick, compile=False):
         finally:
             release(llms)
         what = f"16 concurrent requests, TP {tp}"
-        note = f"prompts of {len(prompts[0])}-{len(prompts[-1])} tokens, {n} new each"
+        note = f"prompts of {len(prompts[0])}-{len(prompts[-1])} tokens, {n} new each; tplab few_rows_mkl=False"
         rows.append(row(what, rates, tokens, "tplab", "vllm", f"vLLM CPU TP {tp}", note=note))
         if compile:
             rows.append(compiled_row(what, rates, tokens, "vllm", f"vLLM CPU TP {tp}", note=note))
