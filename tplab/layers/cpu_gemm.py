@@ -20,7 +20,7 @@ fresh processes taking turns, a lone sequence's decode step took 110-123 ms agai
 faster), and a step of 16 sequences 220-241 against 215-224 ms (5% slower in the middle; the call 3%).
 On AMD MKL takes a generic path at about half oneDNN's bandwidth (README), so there nothing changes
 (``mkl_fast_here``). With vLLM's attention kernel and the compiled path a 16-row step is shorter and the
-plain layouts cost it 7-12%, so an engine that batches many sequences sets ``few_rows_mkl=False`` (README).
+plain layouts cost it about 10%, so an engine that batches many sequences sets ``few_rows_mkl=False`` (README).
 
 A layer says what it does with this by being a ``GemmLayer``: the engine calls its
 ``process_weights_after_loading(gemm)`` once, after the checkpoint is loaded, with the ``Gemm`` the
