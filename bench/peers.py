@@ -162,7 +162,7 @@ def run_decode(ckpt, cfg, quick, compile=False):
 def run_batch16(ckpt, cfg, quick, compile=False):
     prompts, n, rows = batch_prompts(quick), cfg["batch_new"], []
     for tp in (1, 2):
-        # few_rows_mkl off: the setting for an engine that batches (README, "MKL for one or two rows"); the
+        # few_rows_mkl off: the setting for an engine that batches (README, "A server that batches"); the
         # batch-1 rows keep the default
         llms = tplab_engines(ckpt, compile, tensor_parallel_size=tp, dtype="float32", kv_cache_memory=512 << 20,
                              few_rows_mkl=False)
