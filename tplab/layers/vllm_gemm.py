@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tplab.layers.cpu_gemm import Gemm, mkl_fast_here, onednn_available
+from tplab.layers.cpu_gemm import Gemm, onednn_available
 from tplab.layers.vllm_cpu import DTYPES, cannot_run_here, require
 
 PRIMITIVE_CACHE = 32        # oneDNN primitives a handler keeps, one per row count seen (vLLM's value)
@@ -91,11 +91,11 @@ class VllmCpuGemm(Gemm):
         """vLLM's kernels for every weight a layer packs; on Intel in fp32 the MKL layers' weights kept plain,
         as tplab's ``Gemm`` keeps them (not with ``onednn`` off: then every weight goes to the kernels). With
         ``pack`` False (weights kept readable), tplab's ``Gemm`` as it would be chosen."""
+        plain = Gemm.choose(onednn, pack, dtype, few_rows_mkl)   # also how the weights kept plain multiply
         if not pack:
-            return Gemm.choose(onednn, pack, dtype, few_rows_mkl)
+            return plain
         require("VllmCpuGemm", "Gemm")
-        onednn = onednn and onednn_available(dtype)      # for the weights kept plain: torch's oneDNN op, or F.linear
-        return cls(onednn, True, onednn and few_rows_mkl and dtype == torch.float32 and mkl_fast_here())
+        return cls(plain.onednn, True, plain.few_rows_mkl)
 
     def can_pack(self, weight: torch.Tensor) -> bool:
         return self.pack and weight.device.type == "cpu" and weight.dtype in DTYPES
