@@ -126,12 +126,32 @@ def test_with_onednn_off_every_weight_goes_to_the_kernels():
 
 
 def test_a_library_without_the_brgemm_kernel_multiplies_bf16_on_onednn(monkeypatch):
-    """The wheel's AVX2 library has the attention and oneDNN ops but not the brgemm ones: it still loads (both
-    parts run on an AVX2 CPU), and a bf16 weight that would fit the brgemm tiles goes to oneDNN's matmul."""
-    assert not set(vllm_cpu.BRGEMM_OPS) & set(vllm_cpu.OPS)
+    """A bf16 weight that would fit the brgemm tiles on an AMX CPU goes to oneDNN's matmul where the loaded
+    library lacks the brgemm ops (the wheel's AVX2 one)."""
     weight = torch.zeros(64, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(vllm_gemm, "has_ops", lambda *names: True)
     assert vllm_gemm.brgemm_fits(weight)
     monkeypatch.setattr(vllm_gemm, "has_ops", lambda *names: False)
     assert not vllm_gemm.brgemm_fits(weight)
+
+
+# in a fresh process: the wheel's AVX2 library (argv[1]), as an AVX2-only CPU gets it; any x86 CPU runs AVX2 code
+LOAD_AVX2 = """
+import pathlib, sys
+from tplab.layers import vllm_cpu
+vllm_cpu._library = lambda: pathlib.Path(sys.argv[1])
+print(vllm_cpu.load_kernel(), vllm_cpu.has_ops(*vllm_cpu.OPS), vllm_cpu.has_ops(*vllm_cpu.BRGEMM_OPS))
+"""
+
+
+@needs_vllm_kernels
+def test_the_wheels_avx2_library_loads_for_both_parts():
+    """The AVX2 library has the attention and oneDNN ops but not the brgemm ones: it loads (``load_kernel``
+    gives None), so both parts run on an AVX2-only CPU, and ``has_ops`` says the brgemm kernel is absent."""
+    import subprocess
+    import sys
+    avx2 = vllm_cpu._library().with_name("_C_AVX2.abi3.so")
+    out = subprocess.run([sys.executable, "-c", LOAD_AVX2, str(avx2)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "True", "False"], out.stdout + out.stderr
