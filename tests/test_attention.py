@@ -1,10 +1,12 @@
 """tplab.layers.attention: the metadata of a mixed step, the default ``attend`` and ``Attention`` against a
 plain per-sequence softmax attention written from the definition."""
+import sys
+
 import pytest
 import torch
 
 from tplab.layers.attention import Attention, build_metadata, causal_visible, sdpa_attend
-from tplab.layers.paged_decode import paged_decode
+from tplab.layers.paged_decode import dense_decode, paged_decode
 
 H, H_KV, D = 6, 2, 8
 
@@ -83,19 +85,49 @@ def test_attention_writes_kv_heads_and_attends_each_sequence_to_its_own_keys(att
 
 @pytest.mark.parametrize("lens", [[1, 9, 30, 4, 13], [30], [5], [1]], ids=["five", "one-30", "one-5", "one-1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_equals_one_sequence_at_a_time(dtype, lens):
+@pytest.mark.parametrize("decode", [paged_decode, dense_decode], ids=["paged", "dense"])
+def test_paged_decode_equals_one_sequence_at_a_time(decode, dtype, lens):
     """Decodes of sequences of very different lengths, attended together, equal each one alone; a single
-    sequence (its own path: its blocks are its keys) too, its last block full, partly filled, or one slot."""
+    sequence (its own path: its blocks are its keys) too, its last block full, partly filled, or one slot.
+    ``dense_decode`` (what a GPU runs: padded blocks, one SDPA call) holds to the same reference on the CPU."""
     torch.manual_seed(1)
     block_size = 4
     tables = [list(range(i * 8 + 3, i * 8 + 3 + -(-n // block_size)))[::-1] for i, n in enumerate(lens)]
     cache = tuple(torch.randn(40, block_size, H_KV, D, dtype=dtype) for _ in range(2))
     meta = build_metadata([1] * len(lens), lens, tables, block_size, "cpu")
     q = torch.randn(len(lens), H, D, dtype=dtype)
-    out = paged_decode(q, *cache, meta.decode, D ** -0.5)          # (B, H, D)
+    out = decode(q, *cache, meta.decode, D ** -0.5)                # (B, H, D)
     k_flat, v_flat = (c.flatten(0, 1).float() for c in cache)
     for b in range(len(lens)):
         slots = meta.seq_kv_slots(b)
         ref = reference_attention(q[b:b + 1].float(), k_flat[slots], v_flat[slots], D ** -0.5)[0]
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[b].float(), ref, rtol=tol, atol=tol)
+
+
+class _DenseAttend(type(sdpa_attend)):
+    """tplab's attend with the GPU's decode path (``dense_decode``), so the CPU runs it inside the engine."""
+
+    def attend_decodes(self, q, k_cache, v_cache, decode, scale):
+        return dense_decode(q, k_cache, v_cache, decode, scale)
+
+    def __reduce__(self):
+        return (_DenseAttend, ())
+
+
+def test_the_gpus_decode_path_gives_hf_greedy_tokens_inside_the_engine(checkpoint, hf_model):
+    """Three sequences of different lengths decoding together (the padded, masked SDPA call), then one alone
+    (its keys sliced to its length): HF's greedy tokens, logprobs within HF's bound."""
+    import cloudpickle
+
+    from conftest import hf_greedy
+    from tplab import LLM, SamplingParams
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    prompts, greedy = [[5, 17, 42, 9, 77, 3, 120, 8, 1, 200, 64, 7, 7, 31, 90, 2, 4, 66], [8, 1, 200], [64]], \
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(checkpoint("gqa"), parts={"attend": _DenseAttend()}) as llm:
+        outputs = llm.generate(prompts, greedy) + llm.generate([prompts[0]], greedy)
+    for prompt, out in zip(prompts + [prompts[0]], outputs):
+        ref = hf_greedy(hf_model(checkpoint("gqa")), prompt, greedy.max_tokens)
+        assert out.token_ids == ref[0]
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound

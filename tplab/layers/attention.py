@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tplab.layers.metadata import AttentionMetadata, build_metadata, causal_visible  # noqa: F401 (their old home)
-from tplab.layers.paged_decode import DecodeBlocks, one_query_attention, paged_decode
+from tplab.layers.paged_decode import DecodeBlocks, dense_decode, one_query_attention, paged_decode
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)   # absent in old torch
@@ -40,7 +40,7 @@ class AttendsDecodesTogether:
 class SdpaAttend(AttendsDecodesTogether):
     """``sdpa_attend(q, k, v, visible, scale)``: ``softmax(q k^T * scale, hidden where not visible) v`` for
     one sequence, with GQA. tplab's ``Parts.attend``; it also attends every decode token of a step at once
-    (``attend_decodes``: ``tplab.layers.paged_decode``).
+    (``attend_decodes``: ``tplab.layers.paged_decode``; on a GPU, padded to one SDPA call, ``dense_decode``).
 
     q ``(H, Lq, D)``; k, v ``(H_kv, Lk, D)``: query heads ``g * H/H_kv .. (g+1) * H/H_kv - 1``
     share KV head g; visible ``(Lq, Lk)`` bool, ``causal_visible(Lq, Lk)``: the kernels below rely on
@@ -67,7 +67,9 @@ class SdpaAttend(AttendsDecodesTogether):
                                               scale=scale, enable_gqa=True)[0]
 
     def attend_decodes(self, q, k_cache, v_cache, decode, scale):
-        return paged_decode(q, k_cache, v_cache, decode, scale)
+        # a CPU runs the segment reductions in C++ loops; a GPU would launch ~30 kernels a layer for them
+        attend = paged_decode if q.device.type == "cpu" else dense_decode
+        return attend(q, k_cache, v_cache, decode, scale)
 
     def __repr__(self):
         return "sdpa_attend"

@@ -21,6 +21,7 @@ query heads per KV head, D head_dim.
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -45,6 +46,25 @@ class DecodeBlocks:
             other_head = group[:, None] != torch.arange(num_kv_heads, device=device)              # (H, H_kv)
             mask = self.hidden.view(-1, 1, bs, 1) | other_head[None, :, None, :]                  # (nb, H, bs, H_kv)
             self._masks[key] = mask.view(-1, num_heads, bs * num_kv_heads)
+        return self._masks[key]
+
+    def padded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """For ``dense_decode``: ``(Bd, nb_max)`` long, each sequence's blocks padded with its last one, and
+        ``(Bd, 1, 1, nb_max * bs)`` in ``dtype``, 0 where a slot holds one of its keys and -inf elsewhere (a
+        padded block, or a slot past the end of its sequence). Built once per step, from host lists."""
+        key = ("padded", dtype)
+        if key not in self._masks:
+            device, bs = self.blocks.device, self.hidden.shape[-1]
+            counts = [-(-n // bs) for n in self.context_lens]
+            width, starts, index = max(counts), 0, []
+            for n in counts:
+                index.append([starts + min(j, n - 1) for j in range(width)])
+                starts += n
+            table = self.blocks[torch.tensor(index, dtype=torch.long, device=device)]
+            hidden = (torch.arange(width * bs, device=device)
+                      >= torch.tensor(self.context_lens, device=device)[:, None])          # (Bd, nb_max * bs)
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+            self._masks[key] = table, bias[:, None, None, :]
         return self._masks[key]
 
 
@@ -96,6 +116,33 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # in no fixed order, so two runs may differ in the last bit
     o = p.new_zeros(bd, h, d).index_add_(0, dec.block_seq, torch.bmm(p, vb))                     # (Bd, H, D)
     return (o / den.unsqueeze(-1)).to(q.dtype)
+
+
+def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBlocks,
+                 scale: float) -> torch.Tensor:
+    """``paged_decode`` as a GPU runs it best: the same inputs and result, in a few kernel launches a layer.
+
+    On a GPU a decode step is bound by launching kernels, not by the bytes moved, and ``paged_decode`` takes
+    about 30 launches a layer (its segment reductions and casts). Here each sequence's blocks are gathered
+    into one padded row, ``(Bd, nb_max * bs, H_kv, D)``, and one SDPA call attends them under a mask that
+    hides the padding (``DecodeBlocks.padded``, built once per step). GQA without repeating the KV heads:
+    the G query heads of a KV head are viewed as G queries of one sequence (one decode query each, so no
+    causal mask applies among them). SDPA computes in the query's dtype with fp32 softmax statistics, as
+    HF's attention does. A single sequence needs no mask: its keys are sliced to its length.
+    """
+    bd, h, d = q.shape
+    h_kv = k_cache.shape[2]
+    if bd == 1:
+        n = dec.context_lens[0]
+        k = k_cache.index_select(0, dec.blocks).flatten(0, 1)[:n].transpose(0, 1)[None]   # (1, H_kv, Lk, D)
+        v = v_cache.index_select(0, dec.blocks).flatten(0, 1)[:n].transpose(0, 1)[None]
+        bias = None
+    else:
+        table, bias = dec.padded(q.dtype)
+        k = k_cache.index_select(0, table.view(-1)).view(bd, -1, h_kv, d).transpose(1, 2)  # (Bd, H_kv, L, D)
+        v = v_cache.index_select(0, table.view(-1)).view(bd, -1, h_kv, d).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.view(bd, h_kv, h // h_kv, d), k, v, attn_mask=bias, scale=scale)
+    return o.view(bd, h, d)
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
