@@ -86,17 +86,20 @@ def test_attention_writes_kv_heads_and_attends_each_sequence_to_its_own_keys(att
 @pytest.mark.parametrize("lens", [[1, 9, 30, 4, 13], [30], [5], [1]], ids=["five", "one-30", "one-5", "one-1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode", [paged_decode, dense_decode], ids=["paged", "dense"])
-def test_paged_decode_equals_one_sequence_at_a_time(decode, dtype, lens):
+def test_paged_decode_equals_one_sequence_at_a_time(decode, dtype, lens, monkeypatch):
     """Decodes of sequences of very different lengths, attended together, equal each one alone; a single
     sequence (its own path: its blocks are its keys) too, its last block full, partly filled, or one slot.
-    ``dense_decode`` (what a GPU runs: padded blocks, one SDPA call) holds to the same reference on the CPU."""
+    ``dense_decode`` (what a GPU runs: padded blocks, one SDPA call) holds to the same reference on the CPU.
+    Neither makes a tensor from host data: on a GPU that copy inside the forward makes the host wait."""
     torch.manual_seed(1)
     block_size = 4
     tables = [list(range(i * 8 + 3, i * 8 + 3 + -(-n // block_size)))[::-1] for i, n in enumerate(lens)]
     cache = tuple(torch.randn(40, block_size, H_KV, D, dtype=dtype) for _ in range(2))
     meta = build_metadata([1] * len(lens), lens, tables, block_size, "cpu")
     q = torch.randn(len(lens), H, D, dtype=dtype)
-    out = decode(q, *cache, meta.decode, D ** -0.5)                # (B, H, D)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "tensor", lambda *a, **k: pytest.fail("a tensor made from host data in the forward"))
+        out = decode(q, *cache, meta.decode, D ** -0.5)            # (B, H, D)
     k_flat, v_flat = (c.flatten(0, 1).float() for c in cache)
     for b in range(len(lens)):
         slots = meta.seq_kv_slots(b)

@@ -34,7 +34,9 @@ class DecodeBlocks:
     num_blocks: torch.Tensor      # (Bd,) long: blocks per decode sequence
     context_lens: list[int]       # Bd ints: keys of each decode sequence (cached + its new one)
     hidden: torch.Tensor          # (nb, 1, 1, bs) bool: slots past the end of their sequence
-    _masks: dict = field(default_factory=dict, repr=False)   # (H, H_kv) -> score mask, made once per step
+    padded_blocks: torch.Tensor   # (Bd, nb_max) long: each sequence's blocks, padded with its last (dense_decode)
+    padded_hidden: torch.Tensor   # (Bd, nb_max * bs) bool: a slot past the end of its sequence, padding included
+    _masks: dict = field(default_factory=dict, repr=False)   # the masks a layer makes, once per step
 
     def score_mask(self, num_heads: int, num_kv_heads: int) -> torch.Tensor:
         """``(nb, H, bs * H_kv)`` bool, True where a query head must not look: a slot past the end of
@@ -48,23 +50,15 @@ class DecodeBlocks:
             self._masks[key] = mask.view(-1, num_heads, bs * num_kv_heads)
         return self._masks[key]
 
-    def padded(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """For ``dense_decode``: ``(Bd, nb_max)`` long, each sequence's blocks padded with its last one, and
-        ``(Bd, 1, 1, nb_max * bs)`` in ``dtype``, 0 where a slot holds one of its keys and -inf elsewhere (a
-        padded block, or a slot past the end of its sequence). Built once per step, from host lists."""
-        key = ("padded", dtype)
+    def padded_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """For ``dense_decode``: ``padded_hidden`` as an additive mask, ``(Bd, 1, 1, nb_max * bs)`` in
+        ``dtype``: 0 where a slot holds a key, -inf elsewhere. Made once per step, on the device (no host
+        data is read inside the forward: on a GPU that would make the host wait)."""
+        key = ("bias", dtype)
         if key not in self._masks:
-            device, bs = self.blocks.device, self.hidden.shape[-1]
-            counts = [-(-n // bs) for n in self.context_lens]
-            width, starts, index = max(counts), 0, []
-            for n in counts:
-                index.append([starts + min(j, n - 1) for j in range(width)])
-                starts += n
-            table = self.blocks[torch.tensor(index, dtype=torch.long, device=device)]
-            hidden = (torch.arange(width * bs, device=device)
-                      >= torch.tensor(self.context_lens, device=device)[:, None])          # (Bd, nb_max * bs)
-            bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-            self._masks[key] = table, bias[:, None, None, :]
+            hidden = self.padded_hidden
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+            self._masks[key] = bias[:, None, None, :]
         return self._masks[key]
 
 
@@ -74,7 +68,7 @@ def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: 
     seqs = [b for b, q in enumerate(query_lens) if q == 1]
     if not seqs:
         return None
-    blocks, counts, filled, token_index = [], [], [], []
+    blocks, counts, filled, token_index, padded = [], [], [], [], []
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
@@ -84,11 +78,16 @@ def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: 
         counts.append(n)
         filled += [block_size] * (n - 1) + [context_lens[b] - (n - 1) * block_size]
         token_index.append(starts[b])
+    width = max(counts)
+    for b, n in zip(seqs, counts):
+        padded.append(block_tables[b][:n] + block_tables[b][n - 1:n] * (width - n))
     tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
     hidden = torch.arange(block_size, device=device) >= tensor(filled)[:, None]          # (nb, bs)
+    lens = [context_lens[b] for b in seqs]
     return DecodeBlocks(seqs, tensor(token_index), tensor(blocks),
                         torch.repeat_interleave(torch.arange(len(seqs), device=device), tensor(counts)),
-                        tensor(counts), [context_lens[b] for b in seqs], hidden[:, None, None, :])
+                        tensor(counts), lens, hidden[:, None, None, :], tensor(padded),
+                        torch.arange(width * block_size, device=device) >= tensor(lens)[:, None])
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBlocks,
@@ -125,7 +124,7 @@ def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     On a GPU a decode step is bound by launching kernels, not by the bytes moved, and ``paged_decode`` takes
     about 30 launches a layer (its segment reductions and casts). Here each sequence's blocks are gathered
     into one padded row, ``(Bd, nb_max * bs, H_kv, D)``, and one SDPA call attends them under a mask that
-    hides the padding (``DecodeBlocks.padded``, built once per step). GQA without repeating the KV heads:
+    hides the padding (``DecodeBlocks.padded_bias``, made once per step). GQA without repeating the KV heads:
     the G query heads of a KV head are viewed as G queries of one sequence (one decode query each, so no
     causal mask applies among them). SDPA computes in the query's dtype with fp32 softmax statistics, as
     HF's attention does. A single sequence needs no mask: its keys are sliced to its length.
@@ -138,11 +137,11 @@ def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         v = v_cache.index_select(0, dec.blocks).flatten(0, 1)[:n].transpose(0, 1)[None]
         bias = None
     else:
-        table, bias = dec.padded(q.dtype)
-        k = k_cache.index_select(0, table.view(-1)).view(bd, -1, h_kv, d).transpose(1, 2)  # (Bd, H_kv, L, D)
-        v = v_cache.index_select(0, table.view(-1)).view(bd, -1, h_kv, d).transpose(1, 2)
+        table, bias = dec.padded_blocks.view(-1), dec.padded_bias(q.dtype)
+        k = k_cache.index_select(0, table).view(bd, -1, h_kv, d).transpose(1, 2)          # (Bd, H_kv, L, D)
+        v = v_cache.index_select(0, table).view(bd, -1, h_kv, d).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.view(bd, h_kv, h // h_kv, d), k, v, attn_mask=bias, scale=scale)
-    return o.view(bd, h, d)
+    return o.reshape(bd, h, d)         # a GPU kernel may return (Bd, G, H_kv, D) in memory: reshape, not view
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
