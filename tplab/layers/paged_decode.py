@@ -10,6 +10,10 @@ A dozen ops per layer, whatever the number of sequences, and exact: the same sof
 another order. A step with a single decode sequence takes a shorter path (``_one_sequence``): its
 blocks, in order, are its keys, so there is nothing to merge.
 
+That is the CPU's way. A GPU launches each of those ops as a kernel, and its decode step is bound by the
+launches: there ``dense_decode`` pads each sequence's blocks to the longest and makes one SDPA call a layer
+under a mask (``SdpaAttend.attend_decodes`` picks by device; both are held to the same reference).
+
 A block is scored as it lies in the cache, ``(bs, H_kv, D)`` read as ``bs * H_kv`` rows: every query
 head against every KV head's rows, the rows of the other KV heads then hidden. That costs ``H_kv``
 times the (tiny) score FLOPs and saves transposing the gathered blocks, which cost more than the
