@@ -81,7 +81,8 @@ case "$cmd" in
           done
           compgen -G "notebooks/*.ipynb" >/dev/null || exec "$PY" -m pytest tests "$@"
           # nbval runs the notebooks as committed (the exercises' stubs); tests/test_notebooks_rerun.py runs
-          # them twice in one kernel in solution mode, every exercise filled by its reference solution.
+          # them twice in one kernel in solution mode, every exercise filled by its reference solution, with
+          # oneDNN off on one thread, and compares what nbval compares. CI adds -n 2 (pytest-xdist).
           exec "$PY" -m pytest "${nbval[@]}" tests notebooks "$@" ;;
   test-gpu)
           # tplab on CUDA against HF on the same GPU, NCCL groups, the KV cache from free GPU memory (marker gpu).

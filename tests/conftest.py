@@ -84,6 +84,26 @@ def no_kept_ranks_after_a_module():
     close_kept_ranks()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With pytest-xdist (CI runs ``./workbook.sh test -n 2``): a notebook's cells run in one worker, in order,
+    in one kernel, as nbval runs them; so does each test module (its fixtures built once). Each notebook of
+    tests/test_notebooks_rerun.py is a unit of its own, and those go first: they are the longest."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            file = nodeid.split("::")[0]
+            return nodeid if file.endswith("test_notebooks_rerun.py") else file
+
+        def _assign_work_unit(self, node):
+            rerun = next((unit for unit in self.workqueue if "test_notebooks_rerun.py" in unit), None)
+            if rerun is not None:
+                self.workqueue.move_to_end(rerun, last=False)
+            super()._assign_work_unit(node)
+    return ByFile(config, log)
+
+
 @pytest.fixture
 def sigint_raises():
     """Ctrl-C raises KeyboardInterrupt in this process during the test, also where it was started with
