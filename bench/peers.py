@@ -8,7 +8,8 @@ Hugging Face, on a random checkpoint of Qwen2.5-0.5B's exact shape, greedy, with
 
 Rows (ratio = tplab / peer, measured side by side: rounds alternate tplab and the peer, order reversed
 every other round, and the ratio is the median of per-round ratios, because this machine's load moves):
-  decode     batch 1, TP 1, fp32: tplab vs CTranslate2, and vs vLLM CPU; rate = (n - 1) / (t[n] - t[1])
+  decode     batch 1, TP 1, fp32: tplab vs CTranslate2, and vs vLLM CPU; rate = (n - 1) / (t[n] - t[1]); and each
+             engine's fraction of the memory-bandwidth bound (weights read once a token, bandwidth measured per round)
   batch16    16 concurrent requests of different lengths, TP 1 and TP 2: tplab (``few_rows_mkl=False``, the setting
              for an engine that batches) vs vLLM CPU, tok/s of the call
              (prefill included; prefix caching off in both, or vLLM's default would serve every round after
@@ -39,6 +40,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from common import (QWEN25_05B, Row, checkpoint, log, machine_info, median, paired, print_table,  # noqa: E402
                     build_order, prompt_ids, rows_to_json)
+from peer_rounds import COMPILED, bound_row, compiled_row, hf_gen, release, rounds, row, tplab_gen  # noqa: E402
 from peer_setup import BENCH, PEERS_DIR, Peer, setup  # noqa: E402
 
 # --quick: Qwen2.5-0.5B's heads (head_dim 64: vLLM's CPU attention needs it), 2 layers, a small vocabulary
@@ -48,62 +50,12 @@ FULL = dict(decode_prompt=32, decode_new=64, reps=3, batch_new=64, batch_reps=2,
 QUICK = dict(decode_prompt=16, decode_new=16, reps=2, batch_new=16, batch_reps=2, prefill_lens=(2048, 512))
 
 
-def tplab_gen(llm):
-    from tplab import SamplingParams
-
-    def generate(prompts, n):
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t0, [o.token_ids for o in outs]
-    return generate
-
-
-def hf_gen(model):
-    def generate(prompts, n):
-        (prompt,) = prompts
-        ids = torch.tensor([prompt])
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                 min_new_tokens=n, pad_token_id=0, eos_token_id=None)
-        return time.perf_counter() - t0, [out[0, len(prompt):].tolist()]
-    return generate
-
-
-def rounds(engines: dict, prompts, n, reps, decode_rate: bool):
-    """Per round, every engine's rate on ``prompts`` (order reversed every other round); and its tokens."""
-    rates, tokens = {k: [] for k in engines}, {}
-    names = list(engines)
-    for e in names:                                             # warm-up
-        engines[e](prompts, 2)
-    for r in range(reps):
-        for e in (names if r % 2 == 0 else names[::-1]):
-            t_full, tokens[e] = engines[e](prompts, n)
-            if decode_rate:
-                t_one, _ = engines[e](prompts, 1)
-                rates[e].append((n - 1) / (t_full - t_one))
-            else:
-                rates[e].append(len(prompts) * n / t_full)
-    log(f"[peers] per-round tok/s: {({k: [round(x, 2) for x in v] for k, v in rates.items()})}")
-    return rates, tokens
-
-
-def row(name, rates, tokens, ours, peer, peer_name, target=">= 1.0", note=""):
-    same = tokens[ours] == tokens[peer]
-    return Row(name, median(rates[ours]), median(rates[peer]), "tok/s", peer_name,
-               ratio=paired(rates[ours], rates[peer]), target=target,
-               note=f"greedy tokens {'equal' if same else 'DIFFER'}; per-round tplab "
-                    f"{[round(x, 2) for x in rates[ours]]} vs {[round(x, 2) for x in rates[peer]]}. {note}",
-               extra={"tokens_equal": same})
-
-
 def batch_prompts(quick: bool) -> list[list[int]]:
     """16 prompts of different lengths (16 to 256 tokens; 8 to 68 with --quick)."""
     step = 4 if quick else 16
     return [prompt_ids(step * (1 + i) + (i % 3) * 5, seed=200 + i) for i in range(16)]
 
 
-COMPILED = "tplab compile=True"
 TPLAB_EXTRA: dict = {}    # settings every tplab engine of the run gets (--vllm-attention, --vllm-gemm)
 
 
@@ -117,43 +69,23 @@ def tplab_engines(ckpt, compile: bool, **settings) -> dict:
     return {k: built[k] for k in make if k in built}
 
 
-def release(llms: dict) -> None:
-    """Shut the engines down and give their memory back to the OS now: the engine keeps freed memory mapped
-    for its own reuse (``tplab.engine.malloc``), and the next row's engines and peer need it (two fp32 engines
-    and vLLM TP 2 beside them ran a 24 GiB machine out of memory)."""
-    import ctypes
-    import gc
-    for llm in llms.values():
-        llm.shutdown()
-    llms.clear()
-    gc.collect()
-    ctypes.CDLL(None).malloc_trim(0)
-
-
-def compiled_row(name, rates, tokens, peer, peer_name, note=""):
-    """The row of tplab compiled against ``peer``; its tokens also checked equal to tplab eager's."""
-    r = row(f"{name}, {COMPILED}", rates, tokens, COMPILED, peer, peer_name, note=note)
-    same = tokens[COMPILED] == tokens["tplab"]
-    r.note += f" Greedy tokens {'equal' if same else 'DIFFER from'} tplab eager's."
-    r.extra["tokens_equal_eager"] = same
-    return r
-
-
 def run_decode(ckpt, cfg, quick, compile=False):
     prompt, n = [prompt_ids(cfg["decode_prompt"])], cfg["decode_new"]
     rows, llms = [], tplab_engines(ckpt, compile, dtype="float32", kv_cache_memory=256 << 20)
+    per_token = common.decode_bytes_per_token(PEERS_QUICK if quick else QWEN25_05B)
     try:
         for kind, name in (("ct2", "CTranslate2"), ("vllm", "vLLM CPU")):
-            peer = Peer(kind, ckpt, threads=2, max_model_len=4096)
+            peer, bandwidth = Peer(kind, ckpt, threads=2, max_model_len=4096), []
             try:
                 rates, tokens = rounds({**{k: tplab_gen(v) for k, v in llms.items()}, kind: peer.generate}, prompt, n,
-                                       cfg["reps"], True)
+                                       cfg["reps"], True, bandwidth)
             finally:
                 peer.close()
             what, note = f"decode, batch 1, TP 1 vs {name}", f"prompt {len(prompt[0])}, {n} new"
             rows.append(row(what, rates, tokens, "tplab", kind, name, note=note))
             if compile:
                 rows.append(compiled_row(what, rates, tokens, kind, name, note=note))
+            rows.append(bound_row(f"{what}: the memory-bandwidth bound", rates, kind, name, bandwidth, per_token))
     finally:
         release(llms)
     return rows
