@@ -131,7 +131,7 @@ def check_kernel() -> Check:
         return Check("FAIL", "kernel", f"no python3 kernel: {e}", "`rm -rf .venv` and run ./workbook.sh doctor again")
     if not Path(spec.resource_dir).resolve().is_relative_to(Path(sys.prefix).resolve()):
         return Check("warn", "kernel", f"python3 is {spec.resource_dir}, outside this environment",
-                     f"remove it (`jupyter kernelspec remove python3` outside .venv) so notebooks run here")
+                     "remove it (`jupyter kernelspec remove python3` outside .venv) so notebooks run here")
     if spec.display_name != KERNEL_DISPLAY_NAME:
         return Check("warn", "kernel", f"python3 is named {spec.display_name!r}: the lab marks notebooks modified")
     return Check("ok", "kernel", f"python3 ({spec.display_name}) in this environment")
@@ -140,7 +140,6 @@ def check_kernel() -> Check:
 def check_saved_python(notebooks=None, version: str = platform.python_version()) -> Check:
     """JupyterLab records the kernel's Python version in a notebook it opens: a different version
     marks every notebook modified (harmless: close without saving)."""
-    import json
     saved = {json.loads(p.read_text()).get("metadata", {}).get("language_info", {}).get("version")
              for p in (notebooks if notebooks is not None else sorted((ROOT / "notebooks").glob("*.ipynb")))}
     saved.discard(None)

@@ -1,7 +1,9 @@
-"""Shared fixtures: random Qwen2 checkpoints of several shapes, HF references, tolerances by dtype."""
+"""Shared fixtures: random Qwen2 checkpoints of several shapes, HF references, tolerances by dtype, and the
+check that a test leaves no rank process behind (live_children, no_new_children)."""
 import os
 import signal
 
+import psutil
 import pytest
 import torch
 
@@ -111,3 +113,29 @@ def sigint_raises():
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, old)
+
+
+SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def live_children() -> set[int]:
+    # Ranks are joined before run()/close() return, so there is nothing to wait for. Left out:
+    # multiprocessing's resource tracker and fork server, singletons started once per parent that
+    # exit with it.
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if not any(s in " ".join(child.cmdline()) for s in SINGLETONS):
+                pids.add(child.pid)
+        except psutil.Error:  # already gone
+            pass
+    return pids
+
+
+@pytest.fixture
+def no_new_children():
+    """Fails the test if it leaves any process behind (a module's shared ranks, such as test_dist.py's group2,
+    may be running)."""
+    before = live_children()
+    yield
+    assert live_children() <= before

@@ -1,17 +1,16 @@
-"""tplab.distributed.launcher: rank processes with a real process group, driven from the parent (gloo on CPU)."""
+"""tplab.distributed.launcher: rank processes with a real process group, driven from the parent (gloo on CPU).
+Its failures (a rank raising, killed, hanging, Ctrl-C, the parent killed) are in test_dist_failures.py."""
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from tplab.distributed.launcher import RankError, RankGroup, launch, pick_backend, rank_device, world_info
+from conftest import live_children
+from tplab.distributed.launcher import RankGroup, launch, pick_backend, rank_device, world_info
 
 
 def api_example_work(x):
@@ -19,31 +18,6 @@ def api_example_work(x):
     t = torch.full((2,), float(dist.get_rank() + 1)) * x
     dist.all_reduce(t)
     return t
-
-
-SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-
-
-def live_children() -> set[int]:
-    # Ranks are joined before run()/close() return, so there is nothing to wait for. Left out:
-    # multiprocessing's resource tracker and fork server, singletons started once per parent that
-    # exit with it.
-    pids = set()
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if not any(s in " ".join(child.cmdline()) for s in SINGLETONS):
-                pids.add(child.pid)
-        except psutil.Error:  # already gone
-            pass
-    return pids
-
-
-@pytest.fixture
-def no_new_children():
-    """Fails the test if it leaves any process behind (the shared group2 ranks may be running)."""
-    before = live_children()
-    yield
-    assert live_children() <= before
 
 
 @pytest.fixture(scope="module")
@@ -176,113 +150,6 @@ def test_ranks_see_the_environment_of_the_moment_they_start(group2, monkeypatch)
     assert launch(lambda: os.environ.get("TPLAB_TEST_MARK"), 2, timeout=60) == ["set after the first launch"] * 2
 
 
-def test_raising_rank_gives_rank_error_quickly_and_next_launch_works(no_new_children):
-    def fail_on_rank_1():
-        import torch.distributed as dist
-        if dist.get_rank() == 1:
-            raise ValueError("boom on purpose")
-        dist.barrier()  # rank 0 waits for a peer that never comes
-        return "unreachable"
-
-    start = time.monotonic()
-    with pytest.raises(RankError) as info:
-        launch(fail_on_rank_1, 2, timeout=60)
-    assert time.monotonic() - start < 20
-    err = info.value
-    assert err.rank == 1
-    assert "rank 1 failed: ValueError: boom on purpose" in str(err)
-    assert "Traceback (most recent call last)" in err.remote_traceback
-    assert "fail_on_rank_1" in str(err) and 'raise ValueError("boom on purpose")' in str(err)
-    assert launch(lambda: world_info(), 2, timeout=60) == [(0, 2), (1, 2)]
-
-
-def test_killed_rank_gives_rank_error_quickly_and_closes_group(no_new_children):
-    def die_on_rank_1():
-        import torch.distributed as dist
-        if dist.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        dist.barrier()
-
-    group = RankGroup(2, timeout=60)
-    start = time.monotonic()
-    with pytest.raises(RankError, match=r"rank 1 died \(signal 9") as info:
-        group.run(die_on_rank_1)
-    assert time.monotonic() - start < 10
-    assert info.value.rank == 1
-    with pytest.raises(RuntimeError, match="create a new RankGroup"):
-        group.run(world_info)
-    group.close()  # idempotent after a failure
-
-
-def test_hanging_rank_times_out_naming_the_silent_ranks(no_new_children):
-    def hang_on_rank_0():
-        if world_info()[0] == 0:
-            time.sleep(3600)
-        return "done"
-
-    with RankGroup(2, timeout=60) as group:
-        start = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"ranks \[0\] did not answer within 1.5 s"):
-            group.run(hang_on_rank_0, timeout=1.5)
-        assert time.monotonic() - start < 1.5 + 4  # + SIGTERM grace and joins
-
-
-def test_ctrl_c_while_waiting_stops_the_ranks_and_reraises(no_new_children, sigint_raises):
-    group = RankGroup(2, timeout=60)
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        group.run(time.sleep, args=(3600,))
-    assert time.monotonic() - start < 1.0 + 4
-    with pytest.raises(RuntimeError, match="create a new RankGroup"):
-        group.run(world_info)
-
-
-# A user script with no `if __name__ == "__main__":` guard, whose process is then killed.
-USER_SCRIPT = """
-import os, threading, time
-from tplab.distributed.launcher import RankGroup
-main_thread_group = RankGroup(1)  # ranks get PR_SET_PDEATHSIG
-box = []
-thread = threading.Thread(target=lambda: box.append(RankGroup(1)))  # ranks rely on the watchdog
-thread.start()
-thread.join()
-print(*main_thread_group.run(os.getpid), *box[0].run(os.getpid), flush=True)
-time.sleep(3600)
-"""
-
-
-def test_ranks_exit_when_the_parent_is_killed(tmp_path):
-    def gone(pid):
-        try:
-            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    script = tmp_path / "user_script.py"
-    script.write_text(USER_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    pids = []
-    try:
-        line = parent.stdout.readline()
-        pids = [int(p) for p in line.split()]
-        assert len(pids) == 2, parent.stderr.read() if parent.poll() is not None else line
-        assert not any(gone(pid) for pid in pids)
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 5
-        while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert all(gone(pid) for pid in pids)
-    finally:
-        parent.kill()
-        parent.wait()
-        for pid in pids:
-            if not gone(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
 def test_unpicklable_function_is_refused_in_the_parent_and_group_stays_usable(group2):
     lock = threading.Lock()
     with pytest.raises(TypeError):
@@ -334,27 +201,3 @@ def test_close_destroys_each_rank_group_and_leaves_no_processes(group2, tmp_path
     with pytest.raises(RuntimeError, match="closed"):
         group2.run(world_info)
     assert live_children() <= children_before_this_module
-
-
-def test_a_survivors_connection_error_is_reported_as_the_peers_death(no_new_children, tmp_path):
-    """When a rank is killed, its peer's collective fails with a reset connection, and that error can
-    reach the driver before the death does: the death is what the error names. Here the error is sent
-    first for certain (rank 1 dies only once rank 0 is raising); when the death is noticed first, it is
-    reported on its own, which is the other order of the same race."""
-    raising = tmp_path / "rank0-raising"
-
-    def die_on_rank_1_reset_on_rank_0():
-        import time
-
-        import torch.distributed as dist
-        if dist.get_rank() == 1:
-            while not raising.exists():
-                time.sleep(0.005)
-            time.sleep(0.05)                       # rank 0's error is on its way to the driver by now
-            os.kill(os.getpid(), signal.SIGKILL)
-        raising.touch()
-        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
-
-    with pytest.raises(RankError, match=r"rank 1 died \(signal 9.*then rank 0 failed: RuntimeError") as info:
-        RankGroup(2, timeout=60).run(die_on_rank_1_reset_on_rank_0)
-    assert info.value.rank == 1

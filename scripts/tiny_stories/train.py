@@ -42,6 +42,10 @@ Recipe (the defaults below; every value is printed at the start of a run):
 The output folder holds config.json, generation_config.json,
 model.safetensors (float32), tokenizer.json, tokenizer_config.json and a
 README.md with the recipe, the final validation loss and this command.
+
+This file holds the options, the recipe text, the README and the training
+loop; the tokenizer and data pipeline are in ``data.py``, the model, the
+learning-rate schedule, evaluation and sampling in ``model.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -60,19 +63,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import corpus  # noqa: E402
-
-EOS = "<|endoftext|>"
-# Qwen2's pre-tokenizer split (transformers' tokenization_qwen2.PRETOKENIZE_REGEX)
-QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-               r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' %}{{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
-    "{% else %}{{ message['content'] + '\\n' }}{% endif %}"
-    "{% endfor %}"
-)
+from data import EOS, encode_stream, to_blocks, train_tokenizer  # noqa: E402
+from model import evaluate, lr_at, make_model, sample  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -102,127 +94,6 @@ def parse_args(argv=None):
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     return ap.parse_args(argv)
-
-
-# --------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------
-
-def train_tokenizer(texts, vocab_size: int):
-    from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
-                            processors, trainers)
-    from transformers import PreTrainedTokenizerFast
-
-    # The same pipeline as Qwen2's own tokenizer.json (NFC, Qwen2's split
-    # regex, then byte-level), so that transformers' Qwen2Tokenizer, which
-    # AutoTokenizer picks for a qwen2 config, tokenizes exactly as trained.
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=None,
-        model_max_length=512,
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def encode_stream(tok, texts, eos_id: int) -> torch.Tensor:
-    ids: list[int] = []
-    batch = 2000
-    for i in range(0, len(texts), batch):
-        for row in tok(texts[i:i + batch], add_special_tokens=False)["input_ids"]:
-            ids.extend(row)
-            ids.append(eos_id)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def to_blocks(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    n = stream.numel() // seq_len
-    return stream[: n * seq_len].view(n, seq_len)
-
-
-# --------------------------------------------------------------------------
-# Model and training
-# --------------------------------------------------------------------------
-
-def make_model(args, vocab: int, eos_id: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        hidden_act="silu",
-        max_position_embeddings=args.max_pos,
-        initializer_range=0.02,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=args.layers,
-        attention_dropout=0.0,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
-        use_cache=True,
-        dtype="float32",
-    )
-    model = Qwen2ForCausalLM(cfg)
-    return model
-
-
-def lr_at(step: int, args) -> float:
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    t = (step - args.warmup) / max(1, args.steps - args.warmup)
-    lo = args.lr * args.min_lr_ratio
-    return lo + 0.5 * (args.lr - lo) * (1 + math.cos(math.pi * min(1.0, t)))
-
-
-@torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, batch: int) -> float:
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, blocks.shape[0], batch):
-        x = blocks[i:i + batch]
-        logits = model(input_ids=x).logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
-        total += loss.item()
-        count += x[:, 1:].numel()
-    model.train()
-    return total / count
-
-
-def sample(model, tok, prompts, max_new_tokens=60):
-    model.eval()
-    outs = []
-    for p in prompts:
-        ids = tok(p, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**ids, do_sample=False, max_new_tokens=max_new_tokens,
-                                 pad_token_id=tok.pad_token_id)
-        outs.append(tok.decode(out[0], skip_special_tokens=False))
-    model.train()
-    return outs
 
 
 def recipe_text(args, vocab: int, model_vocab: int, n_params: int, n_train_tok: int, n_val_tok: int) -> str:
