@@ -61,11 +61,16 @@ def _shm_against_gloo():
             worst = max(worst, (all_reduce(x.clone(), n) - ref).abs().max().item())
     g = torch.full((2, 3), float(r))
     gathered = all_gather(g, n, dim=-1)
-    return worst, gathered, parallel_state._shm_for(torch.zeros(1)) is not None
+    with torch.inference_mode():                # the engine's forward runs in inference mode, a notebook's cell
+        inside = all_reduce(torch.ones(2, 5), n).clone()        # not: the same shape, both ways round
+    sums = [inside, all_reduce(torch.ones(2, 5), n), all_reduce(torch.ones(5, 2).t(), n)]   # the last strided
+    return worst, gathered, parallel_state._shm_for(torch.zeros(1)) is not None, sums
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_shared_memory_collectives_match_gloo(tp):
-    for worst, gathered, used in launch(_shm_against_gloo, tp, timeout=120):
+    for worst, gathered, used, sums in launch(_shm_against_gloo, tp, timeout=120):
         assert used and worst < 1e-5
+        assert [tuple(s.shape) for s in sums] == [(2, 5)] * 3 and all(torch.equal(s, torch.full((2, 5), float(tp)))
+                                                                      for s in sums), sums
         assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(tp)], -1))

@@ -53,17 +53,31 @@ class ShmComm:
         self._seqs[self.rank] = 0
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_HEADER)
         self._seq = 0
+        self._views: dict[tuple, list[torch.Tensor]] = {}
 
-    def _slot(self, buffer: int, rank: int, like: torch.Tensor) -> torch.Tensor:
-        start = (buffer * self.world_size + rank) * SLOT_BYTES
-        nbytes = like.numel() * like.element_size()
-        return self._data[start:start + nbytes].view(like.dtype).view(like.shape)
+    def _slots(self, buffer: int, like: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's slot in ``buffer``, as tensors shaped like ``like``. Making a view costs several
+        microseconds, a tenth of a small collective here, so they are kept: a decode step's collectives have a
+        few shapes (prefill chunks add more; the cache is emptied past 256 of them). They are made outside
+        inference mode, which a forward runs in: a view made inside it may not be written outside it."""
+        key = (buffer, like.dtype, like.shape)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            nbytes = like.numel() * like.element_size()
+            starts = [(buffer * self.world_size + r) * SLOT_BYTES for r in range(self.world_size)]
+            with torch.inference_mode(False):
+                views = [self._data[s:s + nbytes].view(like.dtype).view(like.shape) for s in starts]
+            self._views[key] = views
+        return views
 
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Publish ``x``; return every rank's tensor (views into the shared buffer), in rank order."""
         self._seq += 1
         buffer = self._seq % 2
-        self._slot(buffer, self.rank, x).copy_(x)
+        slots = self._slots(buffer, x)
+        slots[self.rank].copy_(x)
         self._seqs[self.rank] = self._seq          # after the copy: x86 keeps stores in order
         deadline, spins = time.monotonic() + self.timeout, 0
         while self._seqs.min() < self._seq:
@@ -73,14 +87,16 @@ class ShmComm:
                 if spins % 65536 == 0 and time.monotonic() > deadline:
                     raise TimeoutError(f"rank {self.rank}: peers did not reach collective {self._seq} "
                                        f"within {self.timeout:g} s (counters {self._seqs.tolist()})")
-        return [self._slot(buffer, r, x) for r in range(self.world_size)]
+        return slots
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         parts = self._exchange(x.contiguous())
-        total = parts[0].clone()
-        for part in parts[1:]:                      # the same order on every rank: the same bits
-            total += part
-        return x.copy_(total)
+        if len(parts) == 1:
+            return x
+        torch.add(parts[0], parts[1], out=x)        # x's own part is in the buffer: x can take the sum
+        for part in parts[2:]:                      # the same order on every rank: the same bits
+            x += part
+        return x
 
     def fits(self, x: torch.Tensor) -> bool:
         """A CPU tensor that fits in one slot; anything else goes through the process group."""
