@@ -9,7 +9,9 @@ Hugging Face, on a random checkpoint of Qwen2.5-0.5B's exact shape, greedy, with
 Rows (ratio = tplab / peer, measured side by side: rounds alternate tplab and the peer, order reversed
 every other round, and the ratio is the median of per-round ratios, because this machine's load moves):
   decode     batch 1, TP 1, fp32: tplab vs CTranslate2, and vs vLLM CPU; rate = (n - 1) / (t[n] - t[1]); and each
-             engine's fraction of the memory-bandwidth bound (weights read once a token, bandwidth measured per round)
+             engine's fraction of the memory-bandwidth bound (weights read once a token, bandwidth measured per round).
+             tplab and vLLM run as engines of one sequence (``max_num_seqs=1``; on AMD tplab then keeps its fp32
+             weights plain, ``cpu_gemm.one_row_keeps_plain``)
   batch16    16 concurrent requests of different lengths, TP 1 and TP 2: tplab (``few_rows_mkl=False``, the setting
              for an engine that batches) vs vLLM CPU, tok/s of the call
              (prefill included; prefix caching off in both, or vLLM's default would serve every round after
@@ -71,11 +73,11 @@ def tplab_engines(ckpt, compile: bool, **settings) -> dict:
 
 def run_decode(ckpt, cfg, quick, compile=False):
     prompt, n = [prompt_ids(cfg["decode_prompt"])], cfg["decode_new"]
-    rows, llms = [], tplab_engines(ckpt, compile, dtype="float32", kv_cache_memory=256 << 20)
+    rows, llms = [], tplab_engines(ckpt, compile, dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=1)
     per_token = common.decode_bytes_per_token(PEERS_QUICK if quick else QWEN25_05B)
     try:
         for kind, name in (("ct2", "CTranslate2"), ("vllm", "vLLM CPU")):
-            peer, bandwidth = Peer(kind, ckpt, threads=2, max_model_len=4096), []
+            peer, bandwidth = Peer(kind, ckpt, threads=2, max_model_len=4096, max_num_seqs=1), []
             try:
                 rates, tokens = rounds({**{k: tplab_gen(v) for k, v in llms.items()}, kind: peer.generate}, prompt, n,
                                        cfg["reps"], True, bandwidth)

@@ -235,3 +235,30 @@ def test_an_engine_with_mkl_for_few_rows_matches_hf_alone_and_batched(checkpoint
     for out, ref in zip(outs, refs[:1] + refs):
         assert out.token_ids == ref[0]
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+
+
+@needs_packing
+def test_an_engine_of_one_sequence_keeps_plain_fp32_weights_on_amd_and_matches_hf(checkpoint, hf_model, vendor,
+                                                                                    monkeypatch):
+    """``max_num_seqs=1``: every decode step is one row, which oneDNN streams faster from the plain layout on
+    AMD (not on Intel, not in bf16, not with two sequences a step). The choice, and the tokens against HF."""
+    from conftest import hf_greedy
+    from tplab import LLM, SamplingParams
+    from tplab.engine import llm_engine
+    vendor("GenuineIntel")
+    assert not cpu_gemm.one_row_keeps_plain(torch.float32, 1)
+    vendor("AuthenticAMD")
+    assert cpu_gemm.one_row_keeps_plain(torch.float32, 1)
+    assert not cpu_gemm.one_row_keeps_plain(torch.float32, 2) and not cpu_gemm.one_row_keeps_plain(torch.bfloat16, 1)
+    chosen, process = [], llm_engine.process_weights_after_loading
+    monkeypatch.setattr(llm_engine, "process_weights_after_loading",
+                        lambda model, gemm: chosen.append(gemm) or process(model, gemm))
+    prompts, params = [[3, 17, 42, 99, 5], list(range(40, 71))], SamplingParams(temperature=0.0, max_tokens=10)
+    for seqs, packs in ((1, False), (2, True)):
+        with LLM(checkpoint("gqa"), max_num_seqs=seqs) as llm:        # TP 1 runs in this process: the vendor holds
+            outs = llm.generate(prompts, params)
+        assert chosen[-1].onednn and chosen[-1].pack == packs, (seqs, chosen[-1])
+        for prompt, out in zip(prompts, outs):
+            ref = hf_greedy(hf_model(checkpoint("gqa")), prompt, 10)
+            assert out.token_ids == ref[0], seqs
+            assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound

@@ -23,7 +23,7 @@ from tplab.engine.sequence import Sequence
 from tplab.models.loader import LoadReport, checkpoint_names
 from tplab.models.pipeline import other_stages_names
 from tplab.layers.attention import kv_cache_shape
-from tplab.layers.cpu_gemm import process_weights_after_loading
+from tplab.layers.cpu_gemm import one_row_keeps_plain, process_weights_after_loading
 from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
 
 
@@ -54,7 +54,8 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     if pp_size > 1:   # the other stages' tensors are theirs to read
         skip |= other_stages_names(model, checkpoint_names(cfg.model))
     report = cfg.parts.load_weights(model, cfg.model, skip=skip)
-    gemm = cfg.parts.gemm.choose(cfg.onednn, cfg.pack_weights and pack, cfg.dtype, cfg.few_rows_mkl)
+    pack = pack and cfg.pack_weights and not one_row_keeps_plain(cfg.dtype, cfg.max_num_seqs)
+    gemm = cfg.parts.gemm.choose(cfg.onednn, pack, cfg.dtype, cfg.few_rows_mkl)
     process_weights_after_loading(model, gemm)
     return model.eval(), report
 

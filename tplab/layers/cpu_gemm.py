@@ -7,7 +7,8 @@ maths; the summation order differs at the 1e-7 level. Why packing: a matmul over
 of decodes runs about 1.5x faster on a weight reordered into oneDNN's blocked layout, a prefill's about
 10% faster, and a bf16 weight streams half the bytes of fp32 only when packed (on a plain one oneDNN
 reorders it on every call). The price: a single sequence's fp32 decode (one row) runs about 10% slower
-than on the plain layout (bench/, README).
+than on the plain layout (bench/, README); on AMD 1.25x slower, so there an engine of one sequence at a
+time keeps its weights plain (``one_row_keeps_plain``).
 
 Why MKL for a step of one or two rows, on Intel: there MKL's matrix-vector product streams a plain fp32
 weight faster than either oneDNN layout (on a 2-core Xeon, 4.6 against 6.0 ms for 24 ``o_proj`` weights of
@@ -60,6 +61,17 @@ def mkl_fast_here() -> bool:
     """Whether MKL is the fastest kernel here for fp32 products of a few rows: torch is built with MKL and
     the CPU is Intel's. On AMD MKL takes a generic path, at about half the bandwidth oneDNN reaches (README)."""
     return torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+
+
+def one_row_keeps_plain(dtype: torch.dtype, max_num_seqs: int) -> bool:
+    """Whether an engine that decodes one sequence at a time (``max_num_seqs=1``: every decode step a
+    product of one row) keeps its fp32 weights plain rather than packing them. On AMD oneDNN's one-row
+    kernel streams the plain layout about 1.25x faster than the packed one (a Qwen2.5-0.5B step's weights,
+    2 cores of an AMD EPYC Zen 3: 125-128 against 157-163 ms), but two rows take it 1.4x longer than packed
+    (230 against 168 ms), so only an engine whose steps never carry two sequences keeps it. On Intel the
+    packed layout is the faster of the two at one row (81 against 87 ms), and MKL takes the products of
+    one or two rows (``few_rows_mkl``); bf16 streams half its bytes only when packed."""
+    return max_num_seqs == 1 and dtype == torch.float32 and cpu_vendor() == "AuthenticAMD"
 
 
 @functools.cache
