@@ -11,6 +11,7 @@ import _thread
 
 import psutil
 import pytest
+from conftest import live_children
 
 from tplab import LLM, SamplingParams, launch, models
 from tplab.distributed.launcher import RankError
@@ -38,12 +39,6 @@ def gone(pids, within=10.0):
             return True
         time.sleep(0.1)
     return False
-
-
-def our_children():
-    # multiprocessing's resource tracker and fork server live as long as this process; they are not ranks
-    return [c for c in psutil.Process().children(recursive=True)
-            if not any(s in " ".join(c.cmdline()) for s in ("resource_tracker", "forkserver"))]
 
 
 def left_in_dev_shm(before: set) -> set:
@@ -109,7 +104,7 @@ def test_many_cycles_leave_no_processes_ports_or_shared_memory(checkpoint):
         with LLM(checkpoint("gqa"), tensor_parallel_size=2) as llm:
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
         assert launch(sum, 2, args=([1, 2],)) == [3, 3]
-    assert our_children() == []
+    assert live_children() == set()
     assert {c.laddr for c in me.net_connections("tcp") if c.status == psutil.CONN_LISTEN} <= before_listen
     assert left_in_dev_shm(before_shm) == set()
     assert me.num_fds() <= before_fds + 2
@@ -149,7 +144,7 @@ def test_process_that_exits_without_shutdown_leaves_no_orphans(checkpoint, tmp_p
 def test_bad_engine_arguments_say_what_to_change(checkpoint, kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         LLM(checkpoint("gqa"), **kwargs)
-    assert our_children() == []
+    assert live_children() == set()
 
 
 def test_finite_check_names_the_first_nan_sublayer_and_is_off_unless_asked(checkpoint):
