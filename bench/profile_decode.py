@@ -3,7 +3,7 @@ against HF ``generate`` on the same checkpoint, same process, same threads; plus
 Python side.
 
     .venv/bin/python bench/profile_decode.py [--quick] [--steps 8] [--rows 25] [--threads N] [--compile] [--batch B]
-        [--dtype D] [--vllm-attention] [--vllm-gemm]
+        [--dtype D] [--vllm-attention] [--vllm-gemm] [--max-num-seqs N]
 
 ``--batch B`` decodes B requests together (B prompts of the same length, so HF needs no padding).
 
@@ -82,6 +82,8 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both engines' dtype")
     ap.add_argument("--vllm-attention", action="store_true", help="tplab with VllmCpuAttention")
     ap.add_argument("--vllm-gemm", action="store_true", help="tplab with VllmCpuGemm")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="tplab's max_num_seqs (1: an engine of one sequence, whose fp32 weights stay plain on AMD)")
     args = ap.parse_args()
     s = Settings.make(args.quick, args.threads)
     torch.set_num_threads(s.threads)
@@ -98,7 +100,7 @@ def main():
         from tplab.layers.vllm_gemm import VllmCpuGemm
         parts["gemm"] = VllmCpuGemm
     llm = LLM(ckpt, tensor_parallel_size=1, dtype=args.dtype, kv_cache_memory=256 << 20, compile=args.compile,
-              parts=parts)
+              parts=parts, **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
     runner = inproc_engine(llm).runner
 
     def install_tplab(make):
