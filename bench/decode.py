@@ -1,4 +1,5 @@
-"""1. Decode tokens/s: tplab TP 1 against HF ``generate`` on the same checkpoint, same process, same threads.
+"""1. Decode tokens/s: tplab TP 1 (an engine of one sequence) against HF ``generate`` on the same checkpoint, same
+process, same threads.
 
 Greedy, prompt ``prompt_len`` tokens, ``new_tokens`` new tokens. Decode rate = (new_tokens - 1) /
 (time of a new_tokens generate - time of a 1-token generate), i.e. prefill and the first token
@@ -76,7 +77,9 @@ def run(ckpt, s: Settings) -> list[Row]:
     plan = [(s.threads, s.reps)] + ([(1, s.one_thread_reps)] if s.threads > 1 and s.decode_also_one_thread else [])
     log(f"[decode] loading HF and tplab TP 1, prompt {len(prompt)}, {n} new tokens, (threads, rounds) {plan}")
     hf = load_hf(ckpt)
-    llm = LLM(ckpt, tensor_parallel_size=1, dtype="float32", kv_cache_memory=256 << 20)
+    # an engine of one sequence, as HF's generate of one prompt is (and bench/peers.py's batch-1 rows): on AMD
+    # its fp32 weights then stay plain, tplab's fastest layout for one row (cpu_gemm.one_row_keeps_plain)
+    llm = LLM(ckpt, tensor_parallel_size=1, dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=1)
     try:
         results = [measure(hf, llm, prompt, n, reps, t) for t, reps in plan]
     finally:
