@@ -76,9 +76,9 @@ def release(llms: dict) -> None:
     ctypes.CDLL(None).malloc_trim(0)
 
 
-def compiled_row(name, rates, tokens, peer, peer_name, note=""):
+def compiled_row(name, rates, tokens, peer, peer_name, target=">= 1.0", note=""):
     """The row of tplab compiled against ``peer``; its tokens also checked equal to tplab eager's."""
-    r = row(f"{name}, {COMPILED}", rates, tokens, COMPILED, peer, peer_name, note=note)
+    r = row(f"{name}, {COMPILED}", rates, tokens, COMPILED, peer, peer_name, target=target, note=note)
     same = tokens[COMPILED] == tokens["tplab"]
     r.note += f" Greedy tokens {'equal' if same else 'DIFFER from'} tplab eager's."
     r.extra["tokens_equal_eager"] = same

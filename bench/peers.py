@@ -8,8 +8,9 @@ Hugging Face, on a random checkpoint of Qwen2.5-0.5B's exact shape, greedy, with
 
 Rows (ratio = tplab / peer, measured side by side: rounds alternate tplab and the peer, order reversed
 every other round, and the ratio is the median of per-round ratios, because this machine's load moves):
-  decode     batch 1, TP 1, fp32: tplab vs CTranslate2, and vs vLLM CPU; rate = (n - 1) / (t[n] - t[1]); and each
-             engine's fraction of the memory-bandwidth bound (weights read once a token, bandwidth measured per round).
+  decode     batch 1, TP 1, fp32: tplab vs CTranslate2, vs vLLM CPU, and vs HF generate (in this process; target
+             >= 1.5); rate = (n - 1) / (t[n] - t[1]); and each engine's fraction of the memory-bandwidth bound
+             (weights read once a token, bandwidth measured per round).
              tplab and vLLM run as engines of one sequence (``max_num_seqs=1``; on AMD tplab then keeps its fp32
              weights plain, ``cpu_gemm.one_row_keeps_plain``)
   batch16    16 concurrent requests of different lengths, TP 1 and TP 2: tplab (``few_rows_mkl=False``, the setting
@@ -72,22 +73,41 @@ def tplab_engines(ckpt, compile: bool, **settings) -> dict:
     return {k: built[k] for k in make if k in built}
 
 
+class HfPeer:
+    """HF's ``generate`` of one prompt in fp32, in this process at its 2 threads, as a peer of the decode row."""
+
+    def __init__(self, ckpt):
+        from transformers import Qwen2ForCausalLM
+        self.model = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        self.generate = hf_gen(self.model)
+
+    def close(self):
+        del self.model, self.generate
+
+
+def decode_peer(kind: str, ckpt):
+    """The decode row's peer ``kind``: HF in this process, the others each in their own venv, as engines of one
+    sequence."""
+    return HfPeer(ckpt) if kind == "hf" else Peer(kind, ckpt, threads=2, max_model_len=4096, max_num_seqs=1)
+
+
 def run_decode(ckpt, cfg, quick, compile=False):
     prompt, n = [prompt_ids(cfg["decode_prompt"])], cfg["decode_new"]
     rows, llms = [], tplab_engines(ckpt, compile, dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=1)
     per_token = common.decode_bytes_per_token(PEERS_QUICK if quick else QWEN25_05B)
     try:
-        for kind, name in (("ct2", "CTranslate2"), ("vllm", "vLLM CPU")):
-            peer, bandwidth = Peer(kind, ckpt, threads=2, max_model_len=4096, max_num_seqs=1), []
+        for kind, name, target in (("ct2", "CTranslate2", ">= 1.0"), ("vllm", "vLLM CPU", ">= 1.0"),
+                                   ("hf", "HF generate", ">= 1.5")):
+            peer, bandwidth = decode_peer(kind, ckpt), []
             try:
                 rates, tokens = rounds({**{k: tplab_gen(v) for k, v in llms.items()}, kind: peer.generate}, prompt, n,
                                        cfg["reps"], True, bandwidth)
             finally:
                 peer.close()
             what, note = f"decode, batch 1, TP 1 vs {name}", f"prompt {len(prompt[0])}, {n} new"
-            rows.append(row(what, rates, tokens, "tplab", kind, name, note=note))
+            rows.append(row(what, rates, tokens, "tplab", kind, name, target=target, note=note))
             if compile:
-                rows.append(compiled_row(what, rates, tokens, kind, name, note=note))
+                rows.append(compiled_row(what, rates, tokens, kind, name, target=target, note=note))
             rows.append(bound_row(f"{what}: the memory-bandwidth bound", rates, kind, name, bandwidth, per_token))
     finally:
         release(llms)
