@@ -74,11 +74,12 @@ def tplab_engines(ckpt, compile: bool, **settings) -> dict:
 
 
 class HfPeer:
-    """HF's ``generate`` of one prompt in fp32, in this process at its 2 threads, as a peer of the decode row."""
+    """HF's ``generate`` of one prompt, in this process at the driver's threads: the decode row's fp32 peer and the
+    bf16 row's bf16 one."""
 
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, dtype=torch.float32):
         from transformers import Qwen2ForCausalLM
-        self.model = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        self.model = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=dtype).eval()
         self.generate = hf_gen(self.model)
 
     def close(self):
@@ -190,18 +191,18 @@ def run_prefill(ckpt, cfg, quick):
 
 def run_bf16(ckpt, cfg, quick, compile=False):
     from tplab import LLM
-    from transformers import Qwen2ForCausalLM
     prompt, n = [prompt_ids(cfg["decode_prompt"])], cfg["decode_new"]
-    hf = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+    hf = HfPeer(ckpt, torch.bfloat16)
     # engines of one sequence, as in the decode row: on AMD the fp32 one then keeps its weights plain, tplab's
     # fastest fp32 at batch 1, so bf16 is held to the best fp32 there is (2026-11-27: 5.7 tok/s packed)
     one = dict(kv_cache_memory=256 << 20, max_num_seqs=1)
     llms = {**tplab_engines(ckpt, compile, dtype="bfloat16", **one), "fp32": LLM(ckpt, dtype="float32", **one)}
     try:
-        rates, tokens = rounds({**{k: tplab_gen(v) for k, v in llms.items()}, "hf": hf_gen(hf)}, prompt, n,
+        rates, tokens = rounds({**{k: tplab_gen(v) for k, v in llms.items()}, "hf": hf.generate}, prompt, n,
                                cfg["reps"], True)
     finally:
         release(llms)
+        hf.close()
     agree = lambda a, b: sum(x == y for x, y in zip(tokens[a][0], tokens[b][0])) / n
     rows = []
     for ours in ["tplab"] + ([COMPILED] if compile else []):      # eager, then compiled: the same two rows

@@ -46,8 +46,8 @@ process.
 On a GPU the same graph compiles to Triton kernels. There a decode step is bound by launching kernels
 from the host, not by the GPU, so fusing them pays more. On an NVIDIA H200 (2026-11-27) the compiled path
 decoded 1.5-2.2x (bf16) and 1.3-1.4x (fp32) faster than eager at batch 1, and 1.7x and 1.3x at 16 rows
-(eager measured in the same rounds and in a section of its own). The fp32 tokens equalled HF's. Compiling took 26-47 s. Numbers are from
-``bench/gpu.py``; see the README's "On a GPU".
+(eager measured in the same rounds and in a section of its own). The fp32 tokens equalled HF's.
+Compiling took 26-47 s. Numbers are from ``bench/gpu.py``; see the README's "On a GPU".
 """
 import functools
 import os
