@@ -108,7 +108,9 @@ def kernels(weights: list[torch.Tensor], others: bool = False) -> dict:
     return {k: (lambda x, fs=fs: [f(x) for f in fs]) for k, fs in out.items()}
 
 
+@functools.cache
 def installed(*modules: str) -> bool:
+    """Whether ``modules`` import here; if not, says so once, with what installs them."""
     import importlib.util
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
