@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 from common import machine, read_bandwidth  # noqa: E402
 from tplab.layers.cpu_gemm import packing_available  # noqa: E402
 from tplab.layers.vllm_cpu import load_kernel  # noqa: E402
-from tplab.layers.vllm_gemm import VllmCpuGemm  # noqa: E402
+from tplab.layers.vllm_gemm import VllmCpuGemm, VllmMatmul, brgemm_fits  # noqa: E402
 
 KINDS = {"qkv_proj": (1152, 896, 24), "o_proj": (896, 896, 24), "gate_up_proj": (9728, 896, 24),
          "down_proj": (896, 4864, 24), "lm_head": (151936, 896, 1)}
@@ -63,6 +63,7 @@ def onnxruntime_gemm(weight: torch.Tensor):
 
 @functools.cache
 def openvino_core():
+    """One OpenVINO runtime for every matrix, at torch's thread count, computing in fp32."""
     import openvino as ov
     core = ov.Core()
     core.set_property("CPU", {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "INFERENCE_PRECISION_HINT": "f32"})
@@ -99,9 +100,8 @@ def kernels(weights: list[torch.Tensor], others: bool = False) -> dict:
                "oneDNN plain": [onednn(w) for w in weights],
                "oneDNN packed (tplab)": [onednn(torch.ops.mkldnn._reorder_linear_weight(w, 4)) for w in weights]}
     if load_kernel() is None and VllmCpuGemm.cannot_run(torch.device("cpu"), dtype) is None:
-        from tplab.layers.vllm_gemm import VllmMatmul, brgemm_fits
         out["vLLM " + ("brgemm" if brgemm_fits(weights[0]) else "onednn_mm")] = [VllmMatmul(w) for w in weights]
-    if others and weights[0].dtype == torch.float32 and installed("onnxruntime", "onnx"):
+    if others and dtype == torch.float32 and installed("onnxruntime", "onnx"):
         out["ONNX Runtime"] = [onnxruntime_gemm(w) for w in weights]
     if others and installed("openvino"):
         out["OpenVINO"] = [openvino_linear(w) for w in weights]
