@@ -28,7 +28,6 @@ import torch.nn.functional as F  # noqa: E402
 
 from common import machine, read_bandwidth  # noqa: E402
 from tplab.layers.cpu_gemm import packing_available  # noqa: E402
-from tplab.layers.vllm_cpu import load_kernel  # noqa: E402
 from tplab.layers.vllm_gemm import VllmCpuGemm, VllmMatmul, brgemm_fits  # noqa: E402
 
 KINDS = {"qkv_proj": (1152, 896, 24), "o_proj": (896, 896, 24), "gate_up_proj": (9728, 896, 24),
@@ -99,7 +98,7 @@ def kernels(weights: list[torch.Tensor], others: bool = False) -> dict:
         out = {"F.linear (MKL)": [lambda x, w=w: F.linear(x, w) for w in weights],
                "oneDNN plain": [onednn(w) for w in weights],
                "oneDNN packed (tplab)": [onednn(torch.ops.mkldnn._reorder_linear_weight(w, 4)) for w in weights]}
-    if load_kernel() is None and VllmCpuGemm.cannot_run(torch.device("cpu"), dtype) is None:
+    if VllmCpuGemm.cannot_run(torch.device("cpu"), dtype) is None:
         out["vLLM " + ("brgemm" if brgemm_fits(weights[0]) else "onednn_mm")] = [VllmMatmul(w) for w in weights]
     if others and dtype == torch.float32 and installed("onnxruntime", "onnx"):
         out["ONNX Runtime"] = [onnxruntime_gemm(w) for w in weights]
@@ -128,8 +127,9 @@ def main():
     torch.set_num_threads(2)
     dtype = getattr(torch, args.dtype)
     print(f"# matmul kernels, {args.dtype}, 2 threads; {machine()}")
-    if load_kernel() is not None:
-        print(f"# no vLLM columns: {load_kernel()}")
+    why = VllmCpuGemm.cannot_run(torch.device("cpu"), dtype)
+    if why is not None:
+        print(f"# no vLLM columns: {why}")
     totals: dict = {}
     for kind, (n, k, count) in KINDS.items():
         fs = kernels([torch.randn(n, k, dtype=dtype) * 0.02 for _ in range(count)], args.others)
