@@ -1,4 +1,4 @@
-"""Where tplab's bound against HF comes from (``tplab.teaching.tolerance``), measured on this machine.
+"""Where tplab's bound against HF comes from (``tplab.tolerance``), measured on this machine.
 
 Part 1: how far a correct tplab is from HF, per checkpoint and TP size, in units of the dtype's eps
 (worst over every activation of ``golden``'s per-sublayer diff, each relative to that activation's
@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine  # noqa: E402
 from tplab import bugs, golden, models  # noqa: E402
-from tplab.teaching import tolerance  # noqa: E402
+from tplab import tolerance  # noqa: E402
 
 EPS = tolerance.EPS[torch.float32]
 RANDOM = {  # the test suite's shapes (tests/conftest.py), and deeper ones

@@ -9,12 +9,12 @@ import torch
 
 from tplab import models
 from tplab.layers.vllm_cpu import load_kernel
-from tplab.teaching import tolerance
+from tplab import tolerance
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# How close to HF is close enough lives in one place, tplab.teaching.tolerance (relative to each
+# How close to HF is close enough lives in one place, tplab.tolerance (relative to each
 # activation's size and the dtype's rounding); hf_greedy hands tests the bound for its logprobs.
 
 # Random checkpoints the parity tests run on; each stresses one sharding case.
@@ -82,7 +82,7 @@ def no_kept_ranks_after_a_module():
     """``check_part`` keeps gloo ranks warm between checks; a test module leaves none behind for the next
     (whose process and shared-memory counts would include them)."""
     yield
-    from tplab.teaching.exercises.in_engine import close_kept_ranks
+    from tplab.exercises.in_engine import close_kept_ranks
     close_kept_ranks()
 
 

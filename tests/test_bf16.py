@@ -5,14 +5,14 @@ correct bf16 implementations differ wherever they round or accumulate in another
 packed bf16 kernel vs HF's path; at TP 2, each rank's partial sum is rounded to bf16 before the
 all-reduce). Exactness is fp32's job (test_model_parity.py). What bf16 must keep: the same greedy
 tokens on at least ``tolerance.TOKEN_AGREEMENT`` (90%) of the positions, and logprobs within the bf16
-bound of ``tplab.teaching.tolerance`` (2 x 2^-7 x the logits' size) wherever the two still share the context.
+bound of ``tplab.tolerance`` (2 x 2^-7 x the logits' size) wherever the two still share the context.
 (Measured here: every token equal, logprob differences at most 0.03 at TP 1 and 0.06 at TP 2.)
 """
 import pytest
 import torch
 
 from tplab import LLM, SamplingParams, models
-from tplab.teaching import tolerance
+from tplab import tolerance
 
 STORIES = ["Once upon a time", "The little dog", "Tom and Lily went to the park", "One day, a girl named Mia",
            "The sun was shining and", "A big red ball", "In the forest there lived", "Ben wanted to fly"]

@@ -10,8 +10,8 @@ import torch
 from tplab import LLM, SamplingParams
 from tplab.distributed.parallel_state import all_gather, all_reduce
 from tplab.exercises import check_part
-from tplab.teaching.exercises.parts import reference
-from tplab.teaching.solutions import PARTS, define
+from tplab.exercises.parts import reference
+from tplab.exercises.solutions import PARTS, define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the mistakes below travel to the ranks by value
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tplab.exercises import check_part
-from tplab.teaching.solutions import define
+from tplab.exercises.solutions import define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

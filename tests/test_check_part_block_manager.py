@@ -5,8 +5,8 @@ import cloudpickle
 import pytest
 
 from tplab.exercises import check_part
-from tplab.teaching.exercises import block_manager_probe
-from tplab.teaching.solutions import define
+from tplab.exercises import block_manager_probe
+from tplab.exercises.solutions import define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

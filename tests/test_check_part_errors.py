@@ -7,7 +7,7 @@ import cloudpickle
 import torch
 
 from tplab.exercises import FORGOT_RETURN, check_engine, check_part
-from tplab.teaching.solutions import PARTS, define
+from tplab.exercises.solutions import PARTS, define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the parts below travel to the ranks by value
 

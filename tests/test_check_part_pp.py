@@ -9,7 +9,7 @@ import torch
 
 from tplab.distributed.parallel_state import isend, recv
 from tplab.exercises import check_part
-from tplab.teaching.solutions import define
+from tplab.exercises.solutions import define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the mistakes below travel to the ranks by value
 

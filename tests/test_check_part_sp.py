@@ -8,8 +8,8 @@ import pytest
 from tplab import LLM, SamplingParams
 from tplab.distributed.parallel_state import all_gather, all_reduce, reduce_scatter
 from tplab.exercises import check_part
-from tplab.teaching.exercises.parts import reference
-from tplab.teaching.solutions import define
+from tplab.exercises.parts import reference
+from tplab.exercises.solutions import define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the mistakes below travel to the ranks by value
 

@@ -1,5 +1,5 @@
-"""The engine runs without the teaching side: a plain ``LLM(...).generate(...)`` loads no ``tplab.teaching``
-module, in the process that made the ``LLM`` (a fresh one) or in any rank; a bug asked for by name loads
+"""The engine runs without the teaching side: a plain ``LLM(...).generate(...)`` loads no teaching module
+(``tplab.TEACHING``), in the process that made the ``LLM`` (a fresh one) or in any rank; a bug asked for by name loads
 its catalogue there, and only then."""
 import json
 import subprocess
@@ -12,8 +12,8 @@ import json, sys
 from tplab import LLM, SamplingParams
 
 def teaching_loaded():
-    import sys
-    return sorted(m for m in sys.modules if m.startswith("tplab.teaching"))
+    import sys, tplab
+    return sorted(m for m in sys.modules if m.split(".")[:2] in [["tplab", t] for t in tplab.TEACHING])
 
 model, tp, bugs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 with LLM(model, tensor_parallel_size=tp, bugs=bugs, device="cpu") as llm:
@@ -42,5 +42,5 @@ def test_a_plain_generate_loads_no_teaching_module(checkpoint, tp):
 def test_a_bug_by_name_loads_its_catalogue_in_the_caller_and_the_ranks(checkpoint):
     """The check above can see a teaching module: a bug by name loads the catalogue where it is used."""
     out = run(checkpoint("gqa"), 2, "mask_mul_inf")
-    assert "tplab.teaching.bugs" in out["caller"]
-    assert all("tplab.teaching.bugs.attention" in r for r in out["ranks"]), out["ranks"]
+    assert "tplab.bugs" in out["caller"]
+    assert all("tplab.bugs.attention" in r for r in out["ranks"]), out["ranks"]

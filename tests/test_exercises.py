@@ -2,7 +2,7 @@
 import pytest
 
 from tplab.exercises import FORGOT_RETURN, nb01, nb02, nb03, nb04, nb05, nb06, show_solution
-from tplab.teaching import solutions
+from tplab.exercises import solutions
 
 CHECKERS = {"causal_mask": nb01.check_causal_mask, "shard": nb02.check_shard, "apply_rope": nb03.check_apply_rope,
             "repeat_kv": nb04.check_repeat_kv, "slot_mapping": nb05.check_slot_mapping,

@@ -2,7 +2,7 @@
 import torch
 
 from tplab.exercises import nb00
-from tplab.teaching.solutions import define
+from tplab.exercises.solutions import define
 
 ring_all_reduce = define("ring_all_reduce")["ring_all_reduce"]      # the reference solution
 

@@ -2,7 +2,7 @@
 import torch
 
 from tplab.exercises import nb01
-from tplab.teaching.solutions import define
+from tplab.exercises.solutions import define
 
 SOLUTION = define("causal_mask")["causal_mask"]
 

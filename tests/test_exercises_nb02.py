@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tplab.exercises import nb02
-from tplab.teaching.solutions import define
+from tplab.exercises.solutions import define
 
 SOLUTION = define("shard")["shard"]
 

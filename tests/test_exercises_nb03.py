@@ -2,7 +2,7 @@
 import torch
 
 from tplab.exercises import nb03
-from tplab.teaching.solutions import define
+from tplab.exercises.solutions import define
 
 SOLUTION = define("apply_rope")["apply_rope"]
 from tplab.layers.rotary import apply_rotary

@@ -2,7 +2,7 @@
 import torch
 
 from tplab.exercises import nb04
-from tplab.teaching.solutions import define
+from tplab.exercises.solutions import define
 
 SOLUTION = define("repeat_kv")["repeat_kv"]
 

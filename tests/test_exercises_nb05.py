@@ -1,6 +1,6 @@
 """The notebook 05 checker accepts the solution, rejects plausible mistakes, and reports a stub."""
 from tplab.exercises import nb05
-from tplab.teaching.solutions import define
+from tplab.exercises.solutions import define
 
 SOLUTION = define("slot_mapping")["slot_mapping"]
 

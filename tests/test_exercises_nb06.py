@@ -1,6 +1,6 @@
 """The notebook 06 checker accepts the solution, rejects plausible mistakes, and reports a stub."""
 from tplab.exercises import nb06
-from tplab.teaching.solutions import define
+from tplab.exercises.solutions import define
 
 SOLUTION = define("vocab_shard_range")["vocab_shard_range"]
 

@@ -3,7 +3,7 @@
 TP 1 on CUDA in fp32 and bf16 (the device a notebook's ``LLM`` picks when there is a GPU), the NCCL backend
 in a one-rank group and at TP 2 where two GPUs exist, the KV cache sized from the GPU's free memory, and
 the backend the notebooks pick. Greedy tokens must equal HF's (in bf16, ``tolerance.TOKEN_AGREEMENT`` of
-them); logprobs stay within the dtype's bound (``tplab.teaching.tolerance.logprob_bound`` of HF's logits).
+them); logprobs stay within the dtype's bound (``tplab.tolerance.logprob_bound`` of HF's logits).
 Without CUDA every test is skipped, with the reason (``-rs``).
 """
 import math
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tplab import LLM, SamplingParams, launch, models
-from tplab.teaching import tolerance, workbook
+from tplab import tolerance, workbook
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the functions below run in ranks
 

@@ -4,8 +4,8 @@ import matplotlib.pyplot as plt
 import ipywidgets
 import pytest
 
-from tplab.teaching import plotting
-from tplab.teaching.interactive import WIDGET_VIEW, PictureInteractive, render
+from tplab import plotting
+from tplab.interactive import WIDGET_VIEW, PictureInteractive, render
 
 matplotlib.use("Agg")
 

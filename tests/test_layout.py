@@ -10,6 +10,19 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "tplab"
 ENGINE_SIDE = ("distributed", "layers", "models", "engine")
+TEACHING_SIDE = ("bugs", "exercises", "golden", "tolerance", "workbook", "plotting", "interactive")
+
+
+def test_every_module_is_on_one_side():
+    """tplab/ holds the engine's rooms and the teaching side's modules (tplab.TEACHING), nothing else."""
+    import tplab
+    assert TEACHING_SIDE == tplab.TEACHING
+    tops = {p.stem for p in ROOT.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()} - {"__init__"}
+    assert tops == set(ENGINE_SIDE) | set(TEACHING_SIDE), f"on neither side: {tops ^ (set(ENGINE_SIDE) | set(TEACHING_SIDE))}"
+
+
+def teaching(module: str) -> bool:
+    return any(module == f"tplab.{t}" or module.startswith(f"tplab.{t}.") for t in TEACHING_SIDE)
 IGNORED = {"__pycache__", "build", "your_code", "profiles", "screenshots"}     # .gitignore's folders, hidden ones aside
 
 
@@ -69,7 +82,7 @@ def test_no_import_cycle():
 @pytest.mark.parametrize("side", ENGINE_SIDE)
 def test_engine_side_never_imports_the_teaching_side(side):
     upward = sorted(f"{m} -> {d}" for m, ds in graph().items() if m.startswith(f"tplab.{side}")
-                    for d in ds if d.startswith("tplab.teaching"))
+                    for d in ds if teaching(d))
     assert not upward, f"the engine imports the teaching side: {upward}"
 
 
@@ -98,14 +111,13 @@ def test_the_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     """The checks above can fail: a fake package with both faults."""
     fake = tmp_path / "tplab"
     (fake / "engine").mkdir(parents=True)
-    (fake / "teaching").mkdir()
-    for f in ("__init__.py", "engine/__init__.py", "teaching/__init__.py"):
+    for f in ("__init__.py", "engine/__init__.py"):
         (fake / f).write_text("")
     (fake / "engine" / "a.py").write_text("def f():\n    from tplab.engine import b\n")
-    (fake / "engine" / "b.py").write_text("from tplab.engine.a import f\nfrom tplab.teaching import bugs\n")
-    (fake / "teaching" / "bugs.py").write_text("")
+    (fake / "engine" / "b.py").write_text("from tplab.engine.a import f\nfrom tplab import bugs\n")
+    (fake / "bugs.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "ROOT", fake)
     with pytest.raises(AssertionError, match="tplab.engine.a -> tplab.engine.b -> tplab.engine.a"):
         test_no_import_cycle()
-    with pytest.raises(AssertionError, match="tplab.engine.b -> tplab.teaching.bugs"):
+    with pytest.raises(AssertionError, match="tplab.engine.b -> tplab.bugs"):
         test_engine_side_never_imports_the_teaching_side("engine")

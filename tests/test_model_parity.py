@@ -1,5 +1,5 @@
 """Whole-model parity: tplab's greedy tokens equal HF's exactly, logprobs within the fp32 bound
-(``tplab.teaching.tolerance``), at TP 1, 2, 4."""
+(``tplab.tolerance``), at TP 1, 2, 4."""
 import pytest
 
 from conftest import CONFIGS, hf_greedy

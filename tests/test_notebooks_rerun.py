@@ -58,7 +58,7 @@ def test_notebook_runs_twice_in_one_kernel_in_solution_mode(path, monkeypatch):
                             resources={"metadata": {"path": str(path.parent)}})
     expected = sum(c.source.count("checks.exercise(") for c in nb.cells if c.cell_type == "code")
     probe = nbformat.v4.new_code_cell(
-        "from tplab.teaching import exercise_cells\n"
+        "from tplab.exercises import cells as exercise_cells\n"
         "print(exercise_cells.solution_mode(), len([n for n in checks.results if n.startswith('solution: ')]))")
     with client.setup_kernel():
         for run in ("first", "second"):

@@ -4,7 +4,7 @@ import pytest
 from tplab import LLM, Parts, SamplingParams, bugs
 from tplab.engine.parts import FIELDS, resolve
 from tplab.layers.rotary import apply_rotary
-from tplab.teaching.bugs import no_rope_apply, rope_layout_apply
+from tplab.bugs import no_rope_apply, rope_layout_apply
 
 
 def my_rope(q, k, cos, sin):

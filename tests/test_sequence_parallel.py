@@ -97,7 +97,7 @@ def _generate_and_paths(model, parts=None):
 def test_an_embedding_that_only_all_reduces_is_sliced_by_each_rank(checkpoint, hf_model):
     """A learner's embedding (notebook 06's solution) does not say it returns partial lookups: it keeps its
     all-reduce, each rank keeps its own tokens of it, and the tokens are still HF's."""
-    from tplab.teaching.solutions.embedding import MyVocabParallelEmbedding
+    from tplab.exercises.solutions.embedding import MyVocabParallelEmbedding
     model = hf_model(checkpoint("vocab_pad"))
     want = [hf_greedy(model, p, MAX_TOKENS)[0] for p in PROMPTS]
     parts = {"embedding": MyVocabParallelEmbedding}

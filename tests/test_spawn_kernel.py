@@ -11,7 +11,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tplab.teaching import solutions
+from tplab.exercises import solutions
 
 NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "00_why_tensor_parallel.ipynb"
 
@@ -19,7 +19,7 @@ GENERATE = '''\
 import os
 import psutil
 from tplab import LLM, SamplingParams
-from tplab.teaching.exercises.in_engine import reference
+from tplab.exercises.in_engine import reference
 
 def how_started():
     import multiprocessing, os

@@ -1,10 +1,10 @@
-"""The one bound against HF (tplab.teaching.tolerance): relative to the activation's size, with room to
+"""The one bound against HF (tplab.tolerance): relative to the activation's size, with room to
 spare for a correct engine and none for the student's bugs."""
 import pytest
 import torch
 
 from tplab import golden
-from tplab.teaching import tolerance
+from tplab import tolerance
 
 PROMPT = [3, 17, 42, 7, 99, 5, 23, 61, 11]
 

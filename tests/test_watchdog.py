@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tplab.exercises import check_part, nb00, nb01, nb03
-from tplab.teaching.exercises import watchdog
-from tplab.teaching.solutions import define
+from tplab.exercises import watchdog
+from tplab.exercises.solutions import define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the looping parts below travel to the ranks by value
 
@@ -161,7 +161,7 @@ def test_the_bound_is_under_the_ranks_timeouts():
 
 KERNEL_CELLS = ['''\
 from tplab.exercises import nb00, nb01
-from tplab.teaching.solutions import define''', '''\
+from tplab.exercises.solutions import define''', '''\
 def causal_mask(q_len, k_len):
     import torch
     mask = torch.ones(q_len, k_len, dtype=torch.bool)

@@ -3,7 +3,7 @@
 An engine is built from a ``Parts``: the layer classes and functions its Qwen2 model is made of,
 the function that gives a step's tokens their positions, the checkpoint loader, the block
 manager and the pipeline stage. ``resolve(bugs, parts)`` starts from tplab's own, swaps in the named pitfalls
-(``LLM(bugs=[...])``, found by name in ``tplab.teaching.bugs``) and a learner's own parts
+(``LLM(bugs=[...])``, found by name in ``tplab.bugs``) and a learner's own parts
 (``LLM(parts={...})``), and refuses two replacements of the same field. It runs once, in the
 process that creates the ``LLM``; the resolved ``Parts`` travels to every rank inside the
 ``EngineConfig``, and nothing in the engine asks which bug is on.
@@ -54,7 +54,7 @@ FIELDS = tuple(f.name for f in dataclasses.fields(Parts))
 # The module whose ``BUGS`` maps each pitfall's name to ``{field of Parts: replacement}``. It is looked up
 # by name, here and only when a bug is asked for, so an engine built without bugs never loads the
 # teaching side (its processes included), and the engine's code does not depend on it.
-BUG_CATALOGUE = "tplab.teaching.bugs"
+BUG_CATALOGUE = "tplab.bugs"
 
 
 def known_bugs() -> dict[str, dict[str, object]]:

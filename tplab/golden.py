@@ -5,7 +5,7 @@ names addresses both. Activations are taken for one prompt in one prefill, as
 ``(T, E)`` tensors (logits ``(T, vocab)``); at TP > 1 tplab's come from rank 0,
 after the all-reduces, so they are full-width and comparable with HF's (under sequence parallelism
 after gathering every rank's tokens and summing the partial sums, ``all_tokens``). How close is close enough is
-``tplab.teaching.tolerance``'s: relative to each activation's size and the dtype's rounding.
+``tplab.tolerance``'s: relative to each activation's size and the dtype's rounding.
 """
 from dataclasses import dataclass
 
@@ -13,8 +13,8 @@ import torch
 
 from tplab.distributed.launcher import launch, rank_device
 from tplab.engine.probe import capture, load_model, probe
-from tplab.teaching import tolerance
-from tplab.teaching.tolerance import bound, logprob_bound  # noqa: F401  (what notebooks call)
+from tplab import tolerance
+from tplab.tolerance import bound, logprob_bound  # noqa: F401  (what notebooks call)
 
 SUBLAYERS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 

@@ -7,7 +7,7 @@ block tables in any order.
 """
 import torch
 
-from tplab.teaching.exercises import FORGOT_RETURN, ExerciseResult, run_checker
+from tplab.exercises import FORGOT_RETURN, ExerciseResult, run_checker
 from tplab.layers.attention import build_metadata
 
 # (block_table, first new position, context length, block_size): the new tokens are

@@ -7,7 +7,7 @@
 """
 import torch
 
-from tplab.teaching.exercises import FORGOT_RETURN, run_checker
+from tplab.exercises import FORGOT_RETURN, run_checker
 
 # (B, H_kv, T, D, n_rep): GQA groups of 2 and 3, MQA (one KV head), no repeat, a batch of 2
 CASES = [(1, 2, 5, 4, 2), (2, 3, 4, 2, 2), (1, 2, 3, 4, 3), (1, 1, 4, 2, 4), (2, 4, 3, 2, 1)]

@@ -3,10 +3,10 @@
 Each notebook's module (``nb01`` ... ``nb06``) has ``check_<name>(fn)``; ``check_part`` runs a
 learner's part inside the real engine against HF. Checkers compare against tplab or HF on fixed
 inputs and say what looks wrong; they never print the solution. ``show_solution(name)`` does,
-for when you are stuck (the reference solutions are in ``tplab.teaching.solutions``).
+for when you are stuck (the reference solutions are in ``tplab.exercises.solutions``).
 """
-from tplab.teaching import solutions
-from tplab.teaching.exercises.watchdog import DidNotReturn, bounded_calls
+from tplab.exercises import solutions
+from tplab.exercises.watchdog import DidNotReturn, bounded_calls
 
 NOT_DONE = "not attempted yet: fill in the stub above (replace its `raise NotImplementedError`) and run it again"
 FORGOT_RETURN = "returned None: did you forget `return`?"
@@ -64,5 +64,5 @@ def show_solution(name: str) -> None:
 
 
 # The notebooks' modules, so that `from tplab.exercises import nb01` finds them on the package.
-from tplab.teaching.exercises import nb00, nb01, nb02, nb03, nb04, nb05, nb06  # noqa: E402
-from tplab.teaching.exercises.parts import check_engine, check_part  # noqa: E402
+from tplab.exercises import nb00, nb01, nb02, nb03, nb04, nb05, nb06  # noqa: E402
+from tplab.exercises.parts import check_engine, check_part  # noqa: E402

@@ -9,14 +9,14 @@ them here by name (``BUGS``) when an engine asks for one. By area: ``attention``
 ``loading``, ``sequence_parallel`` and ``pipeline`` (notebook 07's: pitfalls of real SP and PP code rather than of
 the review notes).
 """
-from tplab.teaching.bugs.attention import RepeatedKVAttention, mask_mul_inf_attend, no_mask_with_cache_attend
-from tplab.teaching.bugs.loading import RandomLMHead, UnloadedLMHead, full_load_per_rank_load
-from tplab.teaching.bugs.pipeline import KVEveryLayerStage, ResidualNotSentStage
-from tplab.teaching.bugs.positions import decode_with_positions, greedy_with_positions, offby1_token_positions
-from tplab.teaching.bugs.sequence_parallel import HiddenScatterNormRegion, NormTwiceNormRegion
-from tplab.teaching.bugs.rope import (no_rope_apply, rope_cos_sin_axis_apply, rope_layout_apply,
+from tplab.bugs.attention import RepeatedKVAttention, mask_mul_inf_attend, no_mask_with_cache_attend
+from tplab.bugs.loading import RandomLMHead, UnloadedLMHead, full_load_per_rank_load
+from tplab.bugs.pipeline import KVEveryLayerStage, ResidualNotSentStage
+from tplab.bugs.positions import decode_with_positions, greedy_with_positions, offby1_token_positions
+from tplab.bugs.sequence_parallel import HiddenScatterNormRegion, NormTwiceNormRegion
+from tplab.bugs.rope import (no_rope_apply, rope_cos_sin_axis_apply, rope_layout_apply,
                                       rope_swallowed_apply)
-from tplab.teaching.bugs.sharding import (Dim1MergedColumnParallelLinear, Dim1QKVParallelLinear,
+from tplab.bugs.sharding import (Dim1MergedColumnParallelLinear, Dim1QKVParallelLinear,
                                           PresizedQKVParallelLinear)
 
 # name -> {field of tplab.Parts: replacement}: the catalogue tplab.engine.parts looks names up in

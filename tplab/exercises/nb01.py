@@ -7,7 +7,7 @@ after a cached prefix), so query i sits at position ``k_len - q_len + i`` and se
 """
 import torch
 
-from tplab.teaching.exercises import FORGOT_RETURN, run_checker
+from tplab.exercises import FORGOT_RETURN, run_checker
 from tplab.layers.attention import causal_visible
 
 # (q_len, k_len): prefill, a single token, decode steps, a chunk after a cached prefix

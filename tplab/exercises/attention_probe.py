@@ -3,7 +3,7 @@ cache, then one decode step each, against a plain reference, and against the usu
 import torch
 
 from tplab.layers.attention import build_metadata
-from tplab.teaching.exercises.layer_probes import ForgotReturn
+from tplab.exercises.layer_probes import ForgotReturn
 
 H, H_KV, D, BLOCK, BLOCKS = 4, 2, 8, 4, 4
 TABLES = [[2, 0], [3]]                             # sequence 0: 5 tokens then 6; sequence 1: 3 then 4

@@ -8,7 +8,7 @@ or ``(out, in / tp)`` piece. Checked against the weights tplab's ``ColumnParalle
 """
 import torch
 
-from tplab.teaching.exercises import FORGOT_RETURN, run_checker
+from tplab.exercises import FORGOT_RETURN, run_checker
 from tplab.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 OUT_FEATURES, IN_FEATURES = 12, 8       # not square, so a transposed or swapped shard shows in its shape

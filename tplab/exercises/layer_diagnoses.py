@@ -3,7 +3,7 @@ mistake it is. Each ``diagnose_<part>(spec, results, tp)`` returns ``(ok, messag
 expected weights and outputs are worked out here from the full tensors, with plain matmuls."""
 import torch
 
-from tplab.teaching.exercises.layer_probes import D, E, H, H_KV, I, V, close
+from tplab.exercises.layer_probes import D, E, H, H_KV, I, V, close
 
 ALL_REDUCE = "tplab.distributed.parallel_state.all_reduce(y, tp_size) or torch.distributed.all_reduce(y)"
 # requires_grad=True on a part's parameters is not checked: the engine runs every step under

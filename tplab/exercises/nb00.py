@@ -13,7 +13,7 @@ import re
 import torch
 
 from tplab.distributed.launcher import RankError, RankGroup
-from tplab.teaching.exercises import FORGOT_RETURN, ExerciseResult, is_stub_error, run_checker, watchdog
+from tplab.exercises import FORGOT_RETURN, ExerciseResult, is_stub_error, run_checker, watchdog
 
 WORLD_SIZES = (3, 2)        # 3 first: with 2 ranks, "rank + step" and "rank - step" pick the same chunk
 BASE = 8                    # one octal digit per rank: how many times its value was summed in

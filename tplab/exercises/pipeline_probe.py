@@ -11,10 +11,10 @@ import torch
 
 from tplab.engine.config import EngineConfig
 from tplab.engine.sampling import SamplingParams
-from tplab.teaching.exercises import ExerciseResult
-from tplab.teaching.exercises.in_engine import NEW_TOKENS, kept_ranks, reference, serve_here
-from tplab.teaching.exercises.watchdog import bound_for, call_bounded
-from tplab.teaching.golden import stage_activations
+from tplab.exercises import ExerciseResult
+from tplab.exercises.in_engine import NEW_TOKENS, kept_ranks, reference, serve_here
+from tplab.exercises.watchdog import bound_for, call_bounded
+from tplab.golden import stage_activations
 
 CASES = [(4, 2), (4, 4), (5, 2), (5, 4), (3, 2), (28, 4), (24, 8)]     # (layers, stages)
 ROWS, E, PP = 3, 8, 2                                                  # the boundary probe's pair; stages

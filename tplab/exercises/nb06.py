@@ -5,7 +5,7 @@
 rank: the vocab is padded up to a multiple of ``tp``, every rank holds the same number of
 rows, and the last rank may hold fewer real ones.
 """
-from tplab.teaching.exercises import FORGOT_RETURN, ExerciseResult, run_checker
+from tplab.exercises import FORGOT_RETURN, ExerciseResult, run_checker
 from tplab.layers.embed_head import VocabParallelEmbedding
 
 # (vocab_size, tp): divisible, odd, and small vocabularies where padding shows.

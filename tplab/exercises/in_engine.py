@@ -12,9 +12,9 @@ from tplab.engine.probe import load_model, probe
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.worker import Worker
 from tplab.models.checkpoints import tiny_stories
-from tplab.teaching.exercises.layer_probes import ForgotReturn
-from tplab.teaching.exercises.watchdog import bound_for, call_bounded
-from tplab.teaching.golden import activation_names, all_tokens, hf_activations
+from tplab.exercises.layer_probes import ForgotReturn
+from tplab.exercises.watchdog import bound_for, call_bounded
+from tplab.golden import activation_names, all_tokens, hf_activations
 
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and"]
 # a shared prefix, more KV than the cache holds: the block manager shares blocks, preempts and recomputes

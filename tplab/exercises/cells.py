@@ -4,14 +4,14 @@ for exercise ``<name>``.
 ``workbook.setup()`` installs ``ExerciseCells`` in the kernel. Each time such a cell runs, its code is
 kept in ``your_code/<name>.py`` beside the notebook, so that notebook 06's finale can put every part
 you wrote into one engine (``your_parts``). In solution mode (``workbook.setup(solutions=True)`` or
-``TPLAB_SOLUTIONS=1``) the cell runs the reference solution from ``tplab.teaching.solutions``
+``TPLAB_SOLUTIONS=1``) the cell runs the reference solution from ``tplab.exercises.solutions``
 instead, and every checker must then say correct (``Checks.exercise``).
 """
 import re
 import types
 from pathlib import Path
 
-from tplab.teaching import solutions
+from tplab.exercises import solutions
 
 EXERCISE = re.compile(r"#\s*Exercise:\s*(\w+)")
 YOUR_CODE = Path("your_code")          # relative to the kernel's working directory: the notebook's folder

@@ -22,12 +22,12 @@ import torch
 
 from tplab.distributed.launcher import RankError
 from tplab.engine.parts import FIELDS
-from tplab.teaching.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
+from tplab.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
                                       own_code, sp_region_probe, watchdog)
-from tplab.teaching.exercises.layer_diagnoses import DIAGNOSE
-from tplab.teaching.exercises.in_engine import NEW_TOKENS, engine_acts, engine_config, kept_ranks, reference, serve
-from tplab.teaching.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
-from tplab.teaching.exercises.watchdog import DidNotReturn, call_bounded
+from tplab.exercises.layer_diagnoses import DIAGNOSE
+from tplab.exercises.in_engine import NEW_TOKENS, engine_acts, engine_config, kept_ranks, reference, serve
+from tplab.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
+from tplab.exercises.watchdog import DidNotReturn, call_bounded
 
 TOL = 1e-4
 
@@ -195,7 +195,7 @@ def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 
     if name not in FIELDS:
         raise ValueError(f"no part named {name!r}; the parts are {list(FIELDS)}")
     if name == "pipeline_stage":                       # its own checks: layouts, the boundary, the engine at PP 2
-        from tplab.teaching.exercises import pipeline_probe
+        from tplab.exercises import pipeline_probe
         return pipeline_probe.judge(impl, tensor_parallel_size, timeout, _exception_result)
     return judge_in_engine(name, impl, {name: impl}, tensor_parallel_size, timeout)
 

@@ -7,7 +7,7 @@ inputs, including shapes where a wrong layout broadcasts without an error (T == 
 """
 import torch
 
-from tplab.teaching.exercises import FORGOT_RETURN, run_checker
+from tplab.exercises import FORGOT_RETURN, run_checker
 
 # (T, H, D): a general prefill, T == H (a wrong axis still broadcasts), one decode token, one head
 CASES = [(5, 3, 8), (4, 4, 8), (1, 2, 16), (6, 1, 8)]

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from tplab.distributed.launcher import pick_backend
-from tplab.teaching import exercise_cells
-from tplab.teaching.exercise_cells import your_parts  # noqa: F401  (notebook 06's finale)
+from tplab.exercises import cells as exercise_cells
+from tplab.exercises.cells import your_parts  # noqa: F401  (notebook 06's finale)
 
 
 def model_dir() -> Path:

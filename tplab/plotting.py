@@ -124,6 +124,6 @@ def token_figure(pieces: list[str], colors: list, title: str, chars: int = 96, f
 def interact(fn, **controls) -> None:
     """``ipywidgets.interact(fn, **controls)`` that also saves a static picture of ``fn``'s first
     state, so the cell shows a figure on GitHub and before the kernel runs; ``fn`` draws once per
-    state (``tplab.teaching.interactive``)."""
-    from tplab.teaching.interactive import interact as show    # ipywidgets only where a widget is shown
+    state (``tplab.interactive``)."""
+    from tplab.interactive import interact as show    # ipywidgets only where a widget is shown
     show(fn, **controls)
