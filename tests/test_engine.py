@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from tplab import LLM, SamplingParams, models
+from tplab.engine.worker import Worker
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def test_sampling_gives_the_same_tokens_on_every_rank_and_at_every_tp(checkpoint
     with LLM(checkpoint("gqa")) as one:
         tp1 = [o.token_ids for o in one.generate(prompts, params)]
     with LLM(checkpoint("gqa"), tensor_parallel_size=2) as two:
-        per_rank = two._group.call("generate", (prompts, [params] * 2))
+        per_rank = two._group.call(Worker.generate, (prompts, [params] * 2))
     assert per_rank[0] == per_rank[1]                               # both ranks drew the same tokens
     assert [ids for ids, _, _ in per_rank[0]] == tp1
 

@@ -175,8 +175,9 @@ class RankGroup:
         """Make ``factory(*args, **kwargs)`` in every rank and keep it there for ``call``."""
         self._send("create", factory, args, kwargs, timeout)
 
-    def call(self, method: str, args=(), kwargs=None, timeout: float | None = None) -> list:
-        """Call ``method`` of the object ``create`` made in every rank; the per-rank results in rank order."""
+    def call(self, method, args=(), kwargs=None, timeout: float | None = None) -> list:
+        """``method(obj, *args, **kwargs)`` in every rank, ``obj`` the object ``create`` made there (e.g.
+        ``group.call(Worker.generate, (prompts, params))``); the per-rank results in rank order."""
         return self._send("method", method, args, kwargs, timeout)
 
     def _send(self, kind: str, fn, args, kwargs, timeout: float | None) -> list:

@@ -116,8 +116,8 @@ class _Server:
         fn, args, kwargs = cloudpickle.loads(payload)
         if kind == "method":
             if self.resident is None:
-                raise RuntimeError(f"no object to call {fn!r} on: RankGroup.create() first")
-            return getattr(self.resident, fn)(*args, **kwargs)
+                raise RuntimeError(f"no object to call {getattr(fn, '__qualname__', fn)} on: RankGroup.create() first")
+            return fn(self.resident, *args, **kwargs)
         if kind == "create":
             self.resident = None       # free the old one before building the next
             self.resident = fn(*args, **kwargs)

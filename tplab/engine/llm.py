@@ -73,7 +73,7 @@ class LLM:
         try:
             if self._group is not None:
                 self._group.create(Worker, (self.config,), timeout=self.timeout)
-                self.rank_info = self._group.call("info", timeout=self.timeout)
+                self.rank_info = self._group.call(Worker.info, timeout=self.timeout)
             else:
                 self.rank_info = [self._worker.info()]
         except BaseException:
@@ -99,7 +99,7 @@ class LLM:
         self._check_lengths(token_lists, params)
         if use_tqdm is None:
             use_tqdm = len(token_lists) > 1 and sys.stderr.isatty()
-        results = self._call("generate", token_lists, params, bool(use_tqdm))
+        results = self._call(Worker.generate, token_lists, params, bool(use_tqdm))
         return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
                 for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
 
@@ -121,7 +121,7 @@ class LLM:
     def stats(self) -> dict:
         """Cache and scheduler counters of rank 0: num_preemptions, prefix_cache_hit_blocks,
         peak_kv_blocks_used, num_kv_blocks, kv_cache_bytes, ... (cumulative over generate calls)."""
-        return self._call("stats")
+        return self._call(Worker.stats)
 
     def pipeline_timeline(self) -> list[list[dict]]:
         """Under pipeline parallelism, each stage's ticks in the last ``generate`` (from its TP rank 0), in stage
@@ -130,22 +130,23 @@ class LLM:
         start. Empty lists without PP. Under torchrun every rank must call it (it gathers)."""
         tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
         if self._group is not None:
-            ranks = self._group.call("timeline", timeout=self.timeout)
+            ranks = self._group.call(Worker.timeline, timeout=self.timeout)
         elif dist.is_initialized():
             ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, self._call("timeline"))
+            dist.all_gather_object(ranks, self._call(Worker.timeline))
         else:
-            ranks = [self._call("timeline")]
+            ranks = [self._call(Worker.timeline)]
         stages = [ranks[s * tp] for s in range(pp)]
         t0 = min((t["start"] for ticks in stages for t in ticks), default=0.0)
         return [[{**t, **{k: t[k] - t0 for k in ("start", "busy", "end")}} for t in ticks] for ticks in stages]
 
-    def _call(self, method: str, *args):
-        """``Worker.<method>(*args)`` on every rank (or on this process's worker); rank 0's answer."""
+    def _call(self, method, *args):
+        """``method(worker, *args)`` for this rank's ``Worker`` on every rank (``Worker.generate``, say), or on
+        this process's worker; rank 0's answer."""
         if self._group is None:
             if self._worker is None:
                 raise RuntimeError(f"this LLM was shut down{self._why_down}; create a new one")
-            return getattr(self._worker, method)(*args)
+            return method(self._worker, *args)
         try:
             return self._group.call(method, args, timeout=self.timeout)[0]
         except BaseException as e:  # RankGroup already stopped every rank; this LLM cannot go on

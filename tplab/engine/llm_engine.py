@@ -16,7 +16,7 @@ from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import KVCacheSpec, ModelRunner
-from tplab.engine.pipeline_loop import PipelineLoop, check_stages
+from tplab.engine.pipeline_loop import OneStage, PipelineLoop, check_stages
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
@@ -144,9 +144,11 @@ class LLMEngine:
         # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
         self.schedulers = [self._scheduler() for _ in range(pp)]
         self.scheduler, self.block_manager = self.schedulers[0], self.schedulers[0].block_manager
-        self.pipeline = PipelineLoop(self.runner, self.schedulers, stage, cfg.hf_config.hidden_size,
-                                     cfg.dtype) if pp > 1 else None
-        self.num_steps = 0
+        self.stages = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype) if pp > 1
+                       else OneStage(self.runner))
+        self.in_flight: list[tuple[int, list[Sequence]] | None] = [None] * pp   # (tick scheduled, batch) per engine
+        self.num_ticks = self.num_idle = 0
+        self.num_steps = 0                 # batches run to the end (postprocessed)
 
     def _scheduler(self) -> Scheduler:
         """A scheduler with its own block manager over ``runner.num_blocks`` blocks."""
@@ -161,24 +163,48 @@ class LLMEngine:
         seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, (p, sp) in enumerate(zip(prompts, params))]
         bar = Progress(seqs) if use_tqdm and (not dist.is_initialized() or dist.get_rank() == 0) else None
         self.runner.metadata.clear()           # sequence ids start again at 0 in every call
-        if self.pipeline is not None:          # pipeline parallel: several batches in flight
-            self.num_steps += self.pipeline.run(seqs, lambda seq: self._finished(seq, bar))
-        else:
-            for seq in seqs:
-                self.scheduler.add(seq)
-            while self.scheduler.has_work():
-                batch = self.scheduler.schedule()
-                for seq in self.scheduler.postprocess(batch, self.runner.step(batch)):
-                    self._finished(seq, bar)
-                self.num_steps += 1
+        self.stages.timeline = []
+        for seq in seqs:
+            self.add_request(seq)
+        with torch.inference_mode():
+            while self.has_unfinished():
+                for seq in self.step():
+                    self.runner.forget(seq)
+                    if bar is not None:
+                        bar.finished(seq)
         if bar is not None:
             bar.close()
         return seqs
 
-    def _finished(self, seq: Sequence, bar: Progress | None) -> None:
-        self.runner.forget(seq)
-        if bar is not None:
-            bar.finished(seq)
+    def add_request(self, seq: Sequence) -> None:
+        """Queue ``seq`` on the virtual engine with the fewest unfinished sequences (the only one without
+        pipeline parallelism); deterministic, so every rank queues it alike."""
+        min(self.schedulers, key=lambda sch: len(sch.waiting) + len(sch.running)).add(seq)
+
+    def has_unfinished(self) -> bool:
+        return any(self.in_flight) or any(sch.has_work() for sch in self.schedulers)
+
+    def step(self) -> list[Sequence]:
+        """One step of the engine: schedule a batch, run it through this rank's model, postprocess the tokens
+        it sampled. Returns the sequences that finished. Under pipeline parallelism (p stages) a step is one
+        tick: virtual engine ``tick mod p`` schedules its next batch, this rank's stage runs the batch that
+        reached it, and the batch that the last stage finished is postprocessed (``PipelineLoop``)."""
+        tick, p = self.num_ticks, len(self.schedulers)
+        self.num_ticks += 1
+        v = tick % p
+        if self.in_flight[v] is None and self.schedulers[v].has_work():
+            batch = self.schedulers[v].schedule()                          # 1. schedule
+            self.in_flight[v] = (tick, batch) if batch else None
+        self.num_idle = 0 if any(self.in_flight) else self.num_idle + 1
+        if self.num_idle > p:
+            raise RuntimeError("requests are left but no scheduler could schedule a batch")
+        done = self.stages.run(tick, self.in_flight)                       # 2. run: (engine, sampled tokens)
+        if done is None:
+            return []
+        v, tokens = done
+        (_, batch), self.in_flight[v] = self.in_flight[v], None
+        self.num_steps += 1
+        return self.schedulers[v].postprocess(batch, tokens)               # 3. postprocess
 
     def stats(self) -> dict:
         """This rank's counters, summed over the schedulers (one per batch in flight under PP)."""
@@ -193,7 +219,7 @@ class LLMEngine:
 
     def timeline(self) -> list[dict]:
         """This rank's ticks of the last ``generate`` under pipeline parallelism (``PipelineLoop.timeline``)."""
-        return [] if self.pipeline is None else [dataclasses.asdict(t) for t in self.pipeline.timeline]
+        return [dataclasses.asdict(t) for t in self.stages.timeline]
 
     def _generator(self, index: int, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:

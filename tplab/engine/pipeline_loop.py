@@ -1,4 +1,4 @@
-"""The step loop under pipeline parallelism (``pipeline_parallel_size`` p > 1): p batches in flight.
+"""A step under pipeline parallelism (``pipeline_parallel_size`` p > 1): p batches in flight.
 
 Why p batches: a sequence's next step needs the token its last step sampled, and that token comes out of
 the last stage p stage-steps (ticks) after the first stage started the step. With one batch, each stage
@@ -9,7 +9,7 @@ stage s runs the batch of virtual engine (k - s) mod p. Only the first p - 1 tic
 ones (draining), and ticks whose virtual engine has nothing left, are bubbles.
 
 Every rank runs all p schedulers on the same requests (SPMD), so every rank knows every batch without
-being told. Each tick:
+being told. Each tick is one ``LLMEngine.step``:
 1. virtual engine k mod p, whose last batch was postprocessed at the end of the previous tick, schedules
    its next batch (on every rank, alike);
 2. stage s takes the batch of virtual engine (k - s) mod p: receives the previous stage's ``(hidden,
@@ -63,40 +63,41 @@ def check_stages(stage, num_layers: int, tp_size: int) -> None:
         raise ValueError(f"the pipeline stages own layers 0..{end - 1} but the model has {num_layers}")
 
 
-class PipelineLoop:
-    """Runs ``generate``'s requests through this rank's stage with p batches in flight."""
+class OneStage:
+    """Every layer on this rank (no pipeline): the batch scheduled in a step runs, and is sampled, in that step."""
 
-    def __init__(self, runner, schedulers, stage, hidden_size: int, dtype: torch.dtype):
-        self.runner, self.schedulers, self.stage = runner, schedulers, stage
+    def __init__(self, runner):
+        self.runner = runner
+        self.timeline: list[Tick] = []                     # ticks are a pipeline's; one stage keeps none
+
+    def run(self, tick: int, in_flight: list) -> tuple[int, list] | None:
+        """Run the batch scheduled at ``tick``; ``(0, its sampled tokens)``, None if nothing was scheduled."""
+        if in_flight[0] is None:
+            return None
+        _, batch = in_flight[0]
+        return 0, self.runner.step(batch)
+
+
+class PipelineLoop:
+    """This rank's stage of a pipeline with p batches in flight, one tick at a time (``LLMEngine.step``)."""
+
+    def __init__(self, runner, stage, hidden_size: int, dtype: torch.dtype):
+        self.runner, self.stage = runner, stage
         self.hidden_size, self.dtype = hidden_size, dtype
         self.timeline: list[Tick] = []
 
-    def run(self, seqs, on_finished) -> int:
-        """Serve ``seqs`` to the end; ``on_finished(seq)`` for each as it finishes. Returns the batches run."""
-        p, s = len(self.schedulers), self.stage.pp_rank
-        for seq in seqs:   # deterministic on every rank: to the virtual engine with the fewest unfinished
-            min(self.schedulers, key=lambda sch: len(sch.waiting) + len(sch.running)).add(seq)
-        in_flight: list[tuple[int, list] | None] = [None] * p   # (tick it was scheduled, batch) per engine
-        self.timeline, tick, batches, idle = [], 0, 0, 0
-        with torch.inference_mode():
-            while any(in_flight) or any(sch.has_work() for sch in self.schedulers):
-                v = tick % p
-                if in_flight[v] is None and self.schedulers[v].has_work():
-                    batch = self.schedulers[v].schedule()
-                    in_flight[v] = (tick, batch) if batch else None
-                idle = 0 if any(in_flight) else idle + 1
-                if idle > p:
-                    raise RuntimeError("pipeline: requests are left but no virtual engine could schedule a batch")
-                sampled = self._tick(tick, in_flight[(tick - s) % p], (tick - s) % p)
-                last = (tick - p + 1) % p                       # the engine whose batch the last stage ran
-                job = in_flight[last]
-                if job is not None and job[0] == tick - p + 1:
-                    tokens = self._share(job[1], sampled)
-                    for seq in self.schedulers[last].postprocess(job[1], tokens):
-                        on_finished(seq)
-                    in_flight[last], batches = None, batches + 1
-                tick += 1
-        return batches
+    def run(self, tick: int, in_flight: list) -> tuple[int, list] | None:
+        """This stage's part of tick ``tick``: the batch of virtual engine ``(tick - stage) mod p``, if it reached
+        this stage now. ``in_flight[v]`` is ``(the tick it was scheduled, batch)`` or None. Returns ``(v, tokens)``
+        for the batch the last stage finished this tick, the tokens shared with every rank; None if none did."""
+        p, s = len(in_flight), self.stage.pp_rank
+        v = (tick - s) % p
+        sampled = self._tick(tick, in_flight[v], v)
+        last = (tick - p + 1) % p                           # the engine whose batch the last stage ran
+        job = in_flight[last]
+        if job is None or job[0] != tick - p + 1:
+            return None
+        return last, self._share(job[1], sampled)
 
     def _tick(self, tick: int, job, v: int):
         """This stage's part of tick ``tick``: the batch of virtual engine ``v`` if it reached this stage now."""
