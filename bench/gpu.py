@@ -10,14 +10,13 @@ Per dtype (fp32, bf16), on the 0.5B-shape random checkpoint (``common.checkpoint
 - memory: bytes the weights hold on the GPU, and the peak a generate adds above what was allocated before it.
 
 Without CUDA it says so and exits 0. ``--device cpu --quick`` runs every step on the CPU (a dry run of this
-script). Results go to ``--out`` (JSON) after every section, so a run cut off keeps what it measured.
+script). Results go to ``--out`` (JSON; default bench/results/<machine>/gpu.json) after every section, so a run
+cut off keeps what it measured.
 ``--profile PREFIX`` also writes, per engine, the ops of one decode step at the batch: a 9-token generate's
 profile less a 1-token one's (the prefill), over 8.
 
-On an H200 (bench/results-gpu-h200.json) tplab's eager step took about as long as HF's at one row but
-about 1.5x as long at 16. The per-step table (bench/results-gpu-h200-step-profile.txt) had tplab launching
-1,741 kernels a step at 16 requests against HF's 1,025, about 30 a layer from the CPU's decode attention;
-with ``dense_decode`` on the GPU, 1,093. The README's "On a GPU" has the rates.
+What it measured, and the per-step profiles, are in docs/performance.md ("On a GPU"), the runs in
+bench/results/h200/.
 """
 import argparse
 import json
@@ -29,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from common import Settings, checkpoint, interleaved, log, machine_info, median, paired, prompt_ids  # noqa: E402
+from common import (Settings, checkpoint, interleaved, log, machine_info, median, paired, prompt_ids,  # noqa: E402
+                    results_path)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--no-hf-static", dest="hf_static", action="store_false")
     ap.add_argument("--budget", type=float, default=420, help="seconds; sections past it are skipped")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON output (default bench/results/<machine>/gpu.json)")
     ap.add_argument("--profile", default=None, help="PREFIX: write torch.profiler tables to PREFIX-<dtype>.txt")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -254,9 +254,10 @@ def main(argv=None) -> int:
     ckpt = checkpoint(settings)
     result["checkpoint"] = settings.name
 
+    out = Path(args.out) if args.out else results_path("gpu.json", quick=args.quick or args.device != "cuda")
+
     def save():
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
+        out.write_text(json.dumps(result, indent=1))
     for name in args.dtypes.split(","):
         if clock.over:
             result["dtypes"][name] = "skipped: out of time"

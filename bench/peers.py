@@ -2,7 +2,8 @@
 Hugging Face, on a random checkpoint of Qwen2.5-0.5B's exact shape, greedy, with tokens checked equal.
 
     .venv/bin/python bench/peers.py --setup     # once: vLLM CPU and CTranslate2, each in bench/.peers/<name>
-    .venv/bin/python bench/peers.py             # the table (~30 min on 2 shared cores); bench/results.json
+    .venv/bin/python bench/peers.py             # the table (~30 min on 2 shared cores), into
+                                                # bench/results/<machine>/peers.json
     .venv/bin/python bench/peers.py --quick     # a 2-layer model, few tokens: checks that it all works
     .venv/bin/python bench/peers.py --only decode,bf16
 
@@ -118,7 +119,7 @@ def run_decode(ckpt, cfg, quick, compile=False):
 def run_batch16(ckpt, cfg, quick, compile=False):
     prompts, n, rows = batch_prompts(quick), cfg["batch_new"], []
     for tp in (1, 2):
-        # few_rows_mkl off: the setting for an engine that batches (README, "A server that batches"); the
+        # few_rows_mkl off: the setting for an engine that batches (docs/performance.md); the
         # batch-1 rows keep the default
         llms = tplab_engines(ckpt, compile, tensor_parallel_size=tp, dtype="float32", kv_cache_memory=512 << 20,
                              few_rows_mkl=False)
@@ -232,7 +233,7 @@ def main():
                     help="tplab's engines with VllmCpuGemm (the matmuls of vLLM's CPU linear layers; the prefill rows "
                          "and the fp32 engine of the bf16 row excepted)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="results file (default bench/results.json): another CPU's run goes in a file of its own")
+                    help="results file (default bench/results/<machine>/peers.json)")
     ap.add_argument("--child-prefill", nargs=3, metavar=("ENGINE", "CKPT", "LEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_prefill:
@@ -258,7 +259,7 @@ def main():
         rows += ITEMS[item](ckpt, cfg, args.quick, **({"compile": True} if args.compile and item != "prefill" else {}))
     print(f"\n# tplab vs peers: {settings.name}, greedy; {common.machine()}\n")
     print_table(rows)
-    out = args.out or BENCH / ("results-peers-quick.json" if args.quick else "results.json")
+    out = args.out or common.results_path("peers.json", quick=args.quick)
     doc = json.loads(out.read_text()) if out.exists() else {}
     earlier = doc.get("peers", {})
     same = common.same_machine(earlier.get("machine", {}), machine)   # rows of another machine are not kept

@@ -6,7 +6,8 @@
 
 Each row: measurement | tplab | reference | ratio (tplab / reference) | target | met?. Every ratio is
 taken within this run, tplab and its reference measured side by side, because absolute numbers on a
-shared machine move with the load. Results go to bench/results.json (--quick: bench/results-quick.json).
+shared machine move with the load. Results go to bench/results/<machine>/run_all.json (--quick:
+bench/results/quick/run_all.json); docs/performance.md quotes them.
 """
 import argparse
 import json
@@ -32,7 +33,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for HF and tplab TP 1 (default: the cores this process may use)")
     ap.add_argument("--only", default=",".join(ITEMS), help=f"comma-separated subset of {ITEMS}")
-    ap.add_argument("--out", default=None, help="JSON output (default bench/results.json, or results-quick.json)")
+    ap.add_argument("--out", default=None, help="JSON output (default bench/results/<machine>/run_all.json)")
     args = ap.parse_args(argv)
     items = [i.strip() for i in args.only.split(",") if i.strip()]
     unknown = [i for i in items if i not in ITEMS]
@@ -41,7 +42,7 @@ def main(argv=None):
 
     s = Settings.make(args.quick, args.threads)
     torch.set_num_threads(s.threads)
-    out_path = Path(args.out) if args.out else common.BENCH_DIR / ("results-quick.json" if s.quick else "results.json")
+    out_path = Path(args.out) if args.out else common.results_path("run_all.json", quick=s.quick)
     machine = machine_info()
     log(f"machine: {machine['cpu_model']}, {machine['cores']} cores, torch {machine['torch']}, "
         f"load average {machine['load_average_at_start']}")
