@@ -27,12 +27,13 @@ def test_names_cover_the_pitfalls_of_the_review_notes_and_say_which():
     assert set(bugs.NAMES) == {"mask_mul_inf", "no_mask_with_cache", "no_rope", "rope_layout", "rope_cos_sin_axis", "rope_swallowed",
                                "shard_dim1", "qkv_presized", "kv_cache_repeated", "decode_position_offby1",
                                "lm_head_missing", "lm_head_random", "full_load_per_rank",
-                               "sp_scatter_hidden", "sp_norm_twice", "pp_residual_not_sent", "pp_kv_every_layer"}
+                               "sp_scatter_hidden", "sp_norm_twice", "pp_residual_not_sent", "pp_kv_every_layer",
+                               "graph_stale_inputs"}
     sp = {name for name in bugs.NAMES if name.startswith("sp_")}    # notebook 07's: from real SP code (test_bugs_sp)
-    pp = {name for name in bugs.NAMES if name.startswith("pp_")}    # and from real PP code
-    assert all("Review notes:" in bugs.describe(name) for name in set(bugs.NAMES) - sp - pp)
+    real = {name for name in bugs.NAMES if name.startswith(("pp_", "graph_"))}   # and from real PP and graph code
+    assert all("Review notes:" in bugs.describe(name) for name in set(bugs.NAMES) - sp - real)
     assert all("What goes wrong in SP code:" in bugs.describe(name) for name in sp)
-    assert all("Where it comes from:" in bugs.describe(name) for name in pp)
+    assert all("Where it comes from:" in bugs.describe(name) for name in real)
 
 
 @pytest.mark.parametrize("bug", ["mask_mul_inf", "no_rope", "rope_layout"])

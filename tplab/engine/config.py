@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tplab.distributed.launcher import pick_backend
 from tplab.engine.parts import Parts, resolve
-from tplab.layers.attention import Attention
+from tplab.layers.attention import Attention, AttendsDecodesTogether
 from tplab.layers.cpu_gemm import Gemm
 from tplab.layers.linear import ReturnsPartialSums, check_heads_divisible, valid_tp_sizes
 from tplab.layers.rotary import check_rope_supported
@@ -141,6 +141,9 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
     sequence_parallel: bool = False    # TP > 1: reduce-scatter + all-gather over tokens instead of all-reduce
+    # decode steps at fixed shapes (engine.static_decode), replayed as CUDA graphs on a GPU
+    enforce_eager: bool = False        # True: no CUDA graphs (vLLM's name)
+    static_decode: bool | None = None  # pad decode steps to a bucket; None -> True where CUDA graphs run
     # CPU speed settings; the environment gives their defaults (CI runs the notebooks with TPLAB_ONEDNN=0)
     onednn: bool = field(default_factory=lambda: _env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
     pack_weights: bool = field(default_factory=lambda: _env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
@@ -148,6 +151,11 @@ class EngineConfig:
     malloc_tune: bool = field(default_factory=lambda: _env_flag("TPLAB_MALLOC_TUNE"))    # engine.malloc
     compile: bool = field(default_factory=lambda: _env_flag("TPLAB_COMPILE", "0"))  # torch.compile, engine.compiled
     hf_config: object = field(default=None, repr=False)  # None -> config.json's, as plain_config
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps are captured and replayed as CUDA graphs (``engine.static_decode``)."""
+        return self.static_decode and torch.device(self.device).type == "cuda" and not self.enforce_eager
 
     def __post_init__(self):
         resolved = _resolved(self)
@@ -185,8 +193,39 @@ def _resolved(cfg: EngineConfig) -> dict:
     world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     backend = dist.get_backend() if dist.is_initialized() else pick_backend(world, cfg.backend)
     dtype, device = resolve_dtype(cfg.dtype, hf), _device(cfg, backend)
-    return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs,
-                parts=_kernels_here(parts, device, dtype, hf), backend=backend, device=device)
+    parts = _kernels_here(parts, device, dtype, hf)
+    return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs, parts=parts, backend=backend,
+                device=device, static_decode=resolve_static_decode(cfg, parts, device))
+
+
+def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str) -> bool:
+    """Whether decode steps run at fixed shapes: by default where they are replayed as CUDA graphs (CUDA,
+    not ``enforce_eager``), on request anywhere. Not with what changes a step's shapes or reads its values
+    on the host: pipeline stages, sequence parallelism's token split, ``check_finite``, or an attention that
+    does not say it attends padded decodes (``AttendsDecodesTogether``)."""
+    for name in ("enforce_eager", "static_decode"):
+        if getattr(cfg, name) not in ((True, False) if name == "enforce_eager" else (True, False, None)):
+            raise ValueError(f"{name} must be True or False{' or None' * (name == 'static_decode')}, "
+                             f"got {getattr(cfg, name)!r}")
+    blockers = {"pipeline_parallel_size > 1": cfg.pipeline_parallel_size > 1,
+                "sequence_parallel=True": cfg.sequence_parallel and cfg.tensor_parallel_size > 1,
+                "check_finite=True": cfg.check_finite,
+                f"the attention part {getattr(parts.attention, '__qualname__', parts.attention)!r} (it does not "
+                "declare AttendsDecodesTogether)": not attends_padded(parts)}
+    reasons = [why for why, blocks in blockers.items() if blocks]
+    if cfg.static_decode is None:
+        return torch.device(device).type == "cuda" and not cfg.enforce_eager and not reasons
+    if cfg.static_decode and reasons:
+        raise ValueError(f"static_decode=True cannot run with {', '.join(reasons)}: drop static_decode "
+                         "(or the setting it names)")
+    return cfg.static_decode
+
+
+def attends_padded(parts: Parts) -> bool:
+    """Whether the attention can take a decode step at fixed shapes: tplab's ``Attention`` (or a subclass)
+    with an ``attend`` that attends all decodes of a step together."""
+    return (isinstance(parts.attention, type) and issubclass(parts.attention, Attention)
+            and isinstance(parts.attend, AttendsDecodesTogether))
 
 
 def _kernels_here(parts: Parts, device, dtype, hf) -> Parts:

@@ -6,6 +6,7 @@ communication is inside the model's collectives (and, under pipeline parallelism
 between stages: ``tplab.engine.pipeline_loop``).
 """
 import dataclasses
+import functools
 
 import psutil
 import torch
@@ -20,6 +21,7 @@ from tplab.engine.pipeline_loop import OneStage, PipelineLoop, check_stages
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
+from tplab.engine.static_decode import graph_memory_bound as static_graph_memory
 from tplab.models.loader import LoadReport, checkpoint_names
 from tplab.models.pipeline import other_stages_names
 from tplab.layers.attention import kv_cache_shape
@@ -86,7 +88,10 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
     pp = cfg.pipeline_parallel_size
     if cfg.num_kv_blocks is not None:       # at least pp: engine.config checks
         return cfg.num_kv_blocks // pp
-    budget = (cfg.kv_cache_memory or kv_cache_budget(device, cfg.tensor_parallel_size * pp)) // pp
+    budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.tensor_parallel_size * pp)
+    if cfg.cuda_graphs and cfg.kv_cache_memory is None:        # the graphs' pool comes out of the same memory
+        budget -= graph_memory_bound(cfg)
+    budget //= pp
     useful = cfg.max_num_seqs * -(-cfg.hf_config.max_position_embeddings // cfg.block_size)
     blocks = torch.tensor(min(budget // spec.bytes_per_block(), useful))
     if dist.is_initialized():  # ranks must agree, or their schedulers would diverge
@@ -95,6 +100,25 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
         raise ValueError(f"a KV cache budget of {budget} bytes holds no block of {cfg.block_size} tokens; "
                          "raise kv_cache_memory or lower block_size")
     return int(blocks)
+
+
+def static_decode(cfg: EngineConfig, device: torch.device):
+    """``Parts.static_decode`` with the config's sizes, for ``ModelRunner`` to build over its KV cache (None
+    where decode steps run eagerly at their own shapes)."""
+    if not cfg.static_decode:
+        return None
+    max_blocks = -(-cfg.hf_config.max_position_embeddings // cfg.block_size)
+    return functools.partial(cfg.parts.static_decode, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                             max_blocks=max_blocks, device=device, graphs=cfg.cuda_graphs)
+
+
+def graph_memory_bound(cfg: EngineConfig) -> int:
+    """``static_decode.graph_memory_bound`` for this rank's shard of the model."""
+    hf = cfg.hf_config
+    heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
+    return static_graph_memory(cfg.max_num_seqs, -(-hf.max_position_embeddings // cfg.block_size), cfg.block_size,
+                               hf.hidden_size, hf.intermediate_size // cfg.tensor_parallel_size, heads, kv_heads,
+                               head_dim_of(hf), cfg.dtype)
 
 
 class Progress:
@@ -140,7 +164,8 @@ class LLMEngine:
             compile_model(self.model, eager_because=why_not)
         spec = kv_cache_spec(cfg, num_layers=len(stage.kv_cache_layers))
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
-                                  cfg.parts.positions, stage.kv_cache_layers, num_engines=pp)
+                                  cfg.parts.positions, stage.kv_cache_layers, num_engines=pp,
+                                  static_decode=static_decode(cfg, self.device))
         # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
         self.schedulers = [self._scheduler() for _ in range(pp)]
         self.scheduler, self.block_manager = self.schedulers[0], self.schedulers[0].block_manager

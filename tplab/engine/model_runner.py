@@ -64,16 +64,19 @@ class ModelRunner:
     (``kv_caches_of[v]``); ``kv_caches[i]`` is layer i's cache of the first, the only one without PP."""
 
     def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions=token_positions,
-                 kv_layers=None, num_engines: int = 1):
+                 kv_layers=None, num_engines: int = 1, static_decode=None):
         self.model, self.spec, self.device = model, spec, torch.device(device)
         self.positions = positions                  # Parts.positions: a step's token positions
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks                # the block manager's; a static decode adds a scratch block
         kv_layers = range(spec.num_layers) if kv_layers is None else kv_layers
         num_layers = max(spec.num_layers, max(kv_layers, default=-1) + 1)
-        self.kv_caches_of = [spread(spec.allocate(num_blocks, self.device), kv_layers, num_layers)
+        allocated = num_blocks + (static_decode is not None)
+        self.kv_caches_of = [spread(spec.allocate(allocated, self.device), kv_layers, num_layers)
                              for _ in range(num_engines)]
         self.kv_caches = self.kv_caches_of[0]
         self.metadata = MetadataBuilder(spec.block_size, self.device)
+        # static_decode(model, kv_caches, scratch_block, positions): the decode steps at fixed shapes, or None
+        self.static = None if static_decode is None else static_decode(model, self.kv_caches, num_blocks, positions)
 
     def kv_cache_bytes(self) -> int:
         return sum(kv_cache_bytes([kv for kv in caches if kv is not None]) for caches in self.kv_caches_of)
@@ -83,9 +86,11 @@ class ModelRunner:
         """Run the scheduled batch: feed each sequence its ``num_new_tokens`` next tokens, and sample one
         token for each whose tokens are then all cached. Returns ``[(token, logprob)]``, None for a prompt
         chunk that is not the last. Changes no sequence: ``Scheduler.postprocess`` records the step."""
+        if self.static is not None and self.static.fits(seqs):       # every sequence decodes: fixed shapes
+            return self.sample(seqs, list(range(len(seqs))), self.static.forward(seqs))               # (B, E)
         input_ids, meta = self.prepare(seqs)
         hidden = self.model(input_ids, self.kv_caches, meta)                                          # (T, E)
-        return self.sample(seqs, meta, hidden)
+        return self.sample(seqs, [end - 1 for end in meta.query_start_loc[1:]], hidden)
 
     def prepare(self, seqs: list[Sequence]):
         """A step's token ids ``(T,)`` and its attention metadata."""
@@ -96,14 +101,14 @@ class ModelRunner:
         input_ids = torch.tensor([t for s in seqs for t in s.new_token_ids()], device=self.device)   # (T,)
         return input_ids, meta
 
-    def sample(self, seqs: list[Sequence], meta, hidden: torch.Tensor) -> list[tuple[int, float] | None]:
-        """From the final hidden states ``(T, E)``: ``(token, logprob)`` for each sequence whose tokens are
-        then all cached, None for the others."""
+    def sample(self, seqs: list[Sequence], last_rows: list[int], hidden: torch.Tensor) -> list[tuple[int, float] | None]:
+        """From the final hidden states ``(T, E)``, sequence b's last token in row ``last_rows[b]``:
+        ``(token, logprob)`` for each sequence whose tokens are then all cached, None for the others."""
         done = [b for b, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_new_tokens == len(seq)]
         out: list[tuple[int, float] | None] = [None] * len(seqs)
         if not done:
             return out
-        last = torch.tensor([meta.query_start_loc[b + 1] - 1 for b in done], device=self.device)    # (S,)
+        last = torch.tensor([last_rows[b] for b in done], device=self.device)                        # (S,)
         logits = self.model.compute_logits(hidden.index_select(0, last))                              # (S, V)
         tokens, logprobs = sample(logits, [seqs[b].params for b in done], [seqs[b].generator for b in done])
         for b, token, logprob in zip(done, tokens.tolist(), logprobs.tolist()):

@@ -15,6 +15,7 @@ from typing import Callable
 
 from tplab.engine.block_manager import BlockManager
 from tplab.engine.model_runner import token_positions
+from tplab.engine.static_decode import StaticDecode
 from tplab.layers.attention import Attention, sdpa_attend
 from tplab.layers.cpu_gemm import Gemm
 from tplab.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -42,6 +43,7 @@ class Parts:
     block_manager: type = BlockManager              # which KV blocks each sequence holds
     sp_norm_region: type = SequenceParallelNormRegion   # sequence parallel: reduce-scatter, + residual, norm, gather
     pipeline_stage: type = PipelineStage            # a stage's layers, and what crosses to the next stage
+    static_decode: type = StaticDecode              # decode steps at fixed shapes; on CUDA, CUDA graphs
 
     def replaced(self) -> dict[str, object]:
         """The fields that differ from tplab's own parts."""

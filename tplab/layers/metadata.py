@@ -72,7 +72,7 @@ def _check_lengths(query_lens, context_lens, block_tables, block_size) -> None:
             raise ValueError(f"sequence {b} has {c} tokens but {len(table)} blocks of {block_size} slots")
 
 
-def _check_positions(positions: list[int], query_lens, context_lens) -> None:
+def check_positions(positions: list[int], query_lens, context_lens) -> None:
     """A new token's position must equal the number of tokens before it, or RoPE and the cache slots
     would disagree silently."""
     t = 0
@@ -129,7 +129,7 @@ class MetadataBuilder:
         _check_lengths(query_lens, context_lens, block_tables, block_size=self.block_size)
         expected = [p for q, c in zip(query_lens, context_lens) for p in range(c - q, c)]
         if positions is not None and [int(p) for p in positions] != expected:
-            _check_positions([int(p) for p in positions], query_lens, context_lens)   # raises, naming the token
+            check_positions([int(p) for p in positions], query_lens, context_lens)   # raises, naming the token
         q_start, kv_start, kv_parts, new_parts, visible = [0], [0], [], [], []
         for b, (q, c, table) in enumerate(zip(query_lens, context_lens, block_tables)):
             slots = self.slots_of(None if seq_ids is None else seq_ids[b], table)

@@ -1,0 +1,24 @@
+"""A pitfall of decode steps replayed as CUDA graphs (``tplab.engine.static_decode``): not from the review notes."""
+from tplab.engine.static_decode import StaticDecode
+
+
+class StaleInputsDecode(StaticDecode):
+    """Copies each step's token ids, context lengths and block tables into the graph's buffers, but the
+    positions and ``slot_mapping`` only the first time a bucket runs, when its graph is captured.
+
+    Where it comes from: a graph replays the kernels it recorded on the addresses it recorded, so it reads
+    whatever those buffers hold now. Code that builds a step's positions as a fresh tensor (as an eager step
+    does), or fills only the inputs it thinks change, hands the replay the previous step's values. The first
+    decode step is right (its values were there at capture); from the second on, every token is rotated by
+    a stale position and its K/V overwrite the previous token's slot: wrong tokens, no error."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.filled: set[tuple[int, int]] = set()
+
+    def copy_inputs(self, seqs, n: int, w: int) -> None:
+        views, first = self.views(n, w), (n, w) not in self.filled
+        self.filled.add((n, w))
+        for name, values in self.step_inputs(seqs, n, w).items():
+            if first or name not in ("positions", "slot_mapping"):
+                views[name].copy_(values)

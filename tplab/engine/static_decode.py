@@ -1,0 +1,147 @@
+"""Decode steps at fixed shapes (``static_decode``), replayed as CUDA graphs on a GPU.
+
+On a GPU a decode step of a small model waits on the host: the kernels are short, and launching them
+one by one from Python takes longer than running them. A CUDA graph records a step's kernels once and
+replays them all with one launch. A replay runs the same kernels on the same addresses, so the step it
+replays must have fixed shapes and read its inputs from tensors that never move:
+- the batch is padded to a bucket (1, 2, 4, 8, 16, 32, ... sequences); a padding row decodes token 0 at
+  position 0 into a scratch block of the KV cache that no sequence holds, and its output is dropped;
+- the inputs live in buffers allocated once: token ids, positions, ``slot_mapping``, the block tables
+  padded to a width bucket, the context lengths. Every step copies its values into them, then replays;
+- attention reads the padded block tables under a mask of each row's length (``PaddedDecode``).
+On a CPU the same step runs eagerly, so the code a graph captures is held to HF's tokens on every machine.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from tplab.layers.metadata import AttentionMetadata, check_positions
+
+
+@dataclass(frozen=True)
+class PaddedDecode:
+    """A decode step at fixed shapes, for ``attend_decodes``: row b's keys are the first ``context_lens[b]``
+    slots of its blocks ``block_tables[b]``; every row is one decode query."""
+    block_tables: torch.Tensor    # (Bp, W) long: each row's blocks, padded to W with blocks it does not read
+    context_lens: torch.Tensor    # (Bp,) long: each row's keys (cached + its new one), at least 1
+
+    @property
+    def seqs(self) -> range:
+        return range(self.block_tables.shape[0])      # every row of the step is a decode
+
+
+def buckets(largest: int) -> list[int]:
+    """Batch sizes a step is padded to: 1, 2, 4, 8, then multiples of 16, ending at ``largest``."""
+    sizes = [s for s in (1, 2, 4, 8) if s < largest] + list(range(16, largest, 16))
+    return sizes + [largest]
+
+
+def bucket_of(n: int, sizes: list[int]) -> int:
+    """The smallest of ``sizes`` that holds ``n``."""
+    return next(s for s in sizes if s >= n)
+
+
+class StaticDecode:
+    """Runs a rank's decode steps at fixed shapes: ``fits(seqs)``, then ``forward(seqs)`` -> ``(B, E)``.
+
+    ``graphs``: capture each (batch, width) bucket as a CUDA graph the first time it runs (after one
+    eager warm-up), and replay it from then on; without, run the padded step eagerly (CPU, or a check).
+    ``scratch_block``: a KV block the block manager never hands out, for the padding rows."""
+
+    def __init__(self, model, kv_caches, scratch_block: int, positions, *, block_size: int, max_num_seqs: int,
+                 max_blocks: int, device: torch.device, graphs: bool):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.positions_of, self.scratch_block, self.device = positions, scratch_block, torch.device(device)
+        self.batch_sizes, self.widths = buckets(max_num_seqs), buckets(max_blocks)
+        n, w = self.batch_sizes[-1], self.widths[-1]
+        long = dict(dtype=torch.long, device=self.device)
+        self.input_ids, self.positions = torch.zeros(n, **long), torch.zeros(n, **long)          # (n,)
+        self.slot_mapping, self.context_lens = torch.zeros(n, **long), torch.ones(n, **long)      # (n,)
+        self.block_tables = torch.zeros(n, w, **long)                                           # (n, W)
+        self.use_graphs = graphs
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None                   # one memory pool shared by every graph
+        self.num_replays = 0
+
+    def fits(self, seqs) -> bool:
+        """Whether this step is all decodes, of at most the largest bucket, within the widest table."""
+        return (len(seqs) <= self.batch_sizes[-1] and all(s.num_new_tokens == 1 for s in seqs)
+                and all(len(s.block_table) <= self.widths[-1] for s in seqs))
+
+    def forward(self, seqs) -> torch.Tensor:
+        """The final hidden states ``(B, E)`` of a decode step of ``seqs`` (one new token each)."""
+        n = bucket_of(len(seqs), self.batch_sizes)
+        w = bucket_of(max(len(s.block_table) for s in seqs), self.widths)
+        self.copy_inputs(seqs, n, w)
+        if not self.use_graphs:
+            return self.model(self.input_ids[:n], self.kv_caches, self.metadata(n, w))[:len(seqs)]
+        if (n, w) not in self.graphs:
+            self.graphs[(n, w)] = self.capture(n, w)
+        graph, hidden = self.graphs[(n, w)]
+        graph.replay()
+        self.num_replays += 1
+        return hidden[:len(seqs)]
+
+    def copy_inputs(self, seqs, n: int, w: int) -> None:
+        """Write this step's values into the buffers the step (or its graph) reads, at their fixed addresses."""
+        views = self.views(n, w)
+        for name, values in self.step_inputs(seqs, n, w).items():
+            views[name].copy_(values)
+
+    def views(self, n: int, w: int) -> dict[str, torch.Tensor]:
+        """Bucket (n, w)'s views of the buffers: the same tensors every step of the bucket."""
+        return dict(input_ids=self.input_ids[:n], positions=self.positions[:n], slot_mapping=self.slot_mapping[:n],
+                    context_lens=self.context_lens[:n], block_tables=self.block_tables[:n, :w])
+
+    def step_inputs(self, seqs, n: int, w: int) -> dict[str, torch.Tensor]:
+        """This step's values of each buffer, on the host: rows ``len(seqs)..n - 1`` are padding, a decode
+        of token 0 at position 0 into the scratch block."""
+        pad, bs = n - len(seqs), self.block_size
+        lens = [s.num_cached_tokens + 1 for s in seqs]                  # keys of each row: its cache and its token
+        positions = [p for s in seqs for p in self.positions_of(s)]
+        if positions != [length - 1 for length in lens]:
+            check_positions(positions, [1] * len(seqs), lens)          # raises, naming the token
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        tables = [s.block_table + [self.scratch_block] * (w - len(s.block_table)) for s in seqs]
+        values = dict(input_ids=[s.new_token_ids()[0] for s in seqs] + [0] * pad, positions=positions + [0] * pad,
+                      slot_mapping=slots + [self.scratch_block * bs] * pad, context_lens=lens + [1] * pad,
+                      block_tables=tables + [[self.scratch_block] * w] * pad)
+        return {name: torch.tensor(v, dtype=torch.long) for name, v in values.items()}
+
+    def metadata(self, n: int, w: int) -> AttentionMetadata:
+        """The step's metadata, made of the buffers' views. Only what a decode at fixed shapes reads is set:
+        the per-sequence lists of a step at its own shapes are None."""
+        v = self.views(n, w)
+        return AttentionMetadata(positions=v["positions"], slot_mapping=v["slot_mapping"],
+                                 query_start_loc=list(range(n + 1)), seq_lens=None, kv_slots=None,
+                                 kv_start_loc=None, visible=None,
+                                 decode=PaddedDecode(v["block_tables"], v["context_lens"]))
+
+    def capture(self, n: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Record bucket (n, w)'s forward as a CUDA graph; the graph and the tensor its replays write to.
+        A warm-up run first (on a side stream, as capture requires) makes every lazy allocation and
+        kernel choice before recording; it computes this step's K/V too, the same values the replay writes."""
+        meta, ids = self.metadata(n, w), self.input_ids[:n]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.model(ids, self.kv_caches, meta)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.model(ids, self.kv_caches, meta)                # (n, E), at the pool's address
+        self.pool = graph.pool()
+        return graph, hidden
+
+
+def graph_memory_bound(max_num_seqs: int, max_blocks: int, block_size: int, hidden_size: int,
+                       intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+    """Bytes the graphs' memory pool can need at most, counted before the KV cache is sized: the
+    activations of the largest bucket's step (the gathered K and V of the widest tables, the scores and
+    their fp32 softmax, the MLP), twice over for the intermediates the allocator keeps apart."""
+    n, keys = buckets(max_num_seqs)[-1], buckets(max_blocks)[-1] * block_size
+    item = torch.empty((), dtype=dtype).element_size()
+    attention = n * keys * (2 * num_kv_heads * head_dim * item + 2 * num_heads * 4)
+    mlp = n * (4 * hidden_size + 3 * intermediate_size) * item
+    return 2 * (attention + mlp)
