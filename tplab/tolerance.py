@@ -1,27 +1,13 @@
 """How close tplab must be to Hugging Face's Qwen2, in one place, and why.
 
-tplab and HF compute the same sums in another order: oneDNN's packed matmuls against MKL's (or
-OpenBLAS's), another split of the work over threads, partial sums added across ranks at TP > 1. Each
-order is exact to the dtype's rounding, ``eps`` (float32: 2**-23, about 1.2e-7), *relative to the size of
-the numbers summed*, and the differences grow a little with every layer they pass through. So the bound
-is relative: an activation may differ from HF's by at most ``RTOL[dtype] * max|HF's activation|``. An
-absolute bound (the 1e-4 this replaces) is too loose for the small activations of the first layers and
-too tight for the logits of a deep model, whose size grows with depth; and it is what moves a check
-from pass to fail on another CPU.
-
-Measured (``bench/tolerance.py``, 17 tokens; 2-core AMD EPYC, default kernels and with
-``TPLAB_ONEDNN=0`` on one thread): the shipped tiny model's worst activation is 9-13 eps off HF at TP
-1, 2 and 4 (0 at TP 1 with oneDNN off: the same kernels in the same order are bitwise HF's); random
-checkpoints of the tests' shapes 7-17 eps, 8 layers 38-55 eps, 24 layers 107-134 eps, always in an
-attention output, where values that nearly cancel leave a small result. ``RTOL`` is 1024 eps: 7x the
-24-layer model, 80x the tiny one. A real bug is far over it (the same script): a decode position one
-ahead 1.1e3 times, no RoPE or RoPE in the wrong layout 3e3, a missing or random LM head 8e3, q/k/v
-sharded on dim 1 1.3e4, the ``* -inf`` mask NaN (infinitely).
-
-bfloat16 runs compare tplab in bf16 with HF in bf16: the same reasoning with bf16's eps (2**-7), and a
-far smaller multiple, since bf16 rounds every stored activation, not only the sums, so the two engines
-differ by whole bf16 steps wherever they round in another place (``RTOL[bfloat16]``: 1 eps; the logprobs
-of the shipped model, ``tests/test_bf16.py``, stay within it).
+tplab and HF compute the same sums in another order (other kernels, another split over threads, partial
+sums added across ranks at TP > 1). Each order is exact to the dtype's ``eps`` *relative to the size of the
+numbers summed*, and the differences grow a little with every layer. So the bound is relative: an
+activation may differ from HF's by at most ``RTOL[dtype] * max|HF's activation|``; an absolute bound is too
+loose for the first layers' small activations, too tight for a deep model's logits, and moves a check from
+pass to fail on another CPU. fp32: 1024 eps, several times the worst a correct engine reaches, and the
+smallest real bug is a thousand times over it (``bench/tolerance.py`` measures both; docs/numerics.md). bf16
+(tplab's bf16 against HF's): 1 bf16 eps, since bf16 rounds every stored activation, not only the sums.
 """
 import torch
 

@@ -3,10 +3,9 @@ CUDA or started OpenMP threads, and never re-running the caller's ``__main__``.
 
 On Linux, ranks come from multiprocessing's fork server: one clean process that has imported tplab and
 torch once and is forked for every rank. A rank starts in a few tens of milliseconds, where spawn costs
-each rank about 2 s of CPU to import torch again (measured: a two-rank ``launch`` 2 s -> 0.05 s, four
-ranks 4.5 s -> 0.08 s, on 2 cores). The server exits when the caller does, and its ranks with it
-(PR_SET_PDEATHSIG). A forked rank inherits the server's environment, so it is handed the caller's
-current one. Elsewhere (macOS, Windows), spawn. ``TPLAB_START_METHOD=spawn`` makes Linux spawn too, so
+each rank seconds of CPU to import torch again (docs/performance-journal.md). The server exits when the
+caller does, and its ranks with it (PR_SET_PDEATHSIG). A forked rank inherits the server's environment,
+so it is handed the caller's current one. Elsewhere (macOS, Windows), spawn. ``TPLAB_START_METHOD=spawn`` makes Linux spawn too, so
 the path macOS and Windows take runs (and is tested) here.
 """
 import multiprocessing as mp

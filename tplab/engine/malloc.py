@@ -4,9 +4,9 @@ every activation.
 Each step allocates and frees the same activations again and again. By default glibc serves a
 block over 128 KiB with a fresh ``mmap`` and returns it with ``munmap`` when freed, and it hands
 the free top of the heap back to the kernel once it exceeds 128 KiB: so the next step's tensors
-land on new pages, and the kernel zero-fills each 4 KiB page on first touch. Measured here, that
-made a 16-sequence decode step's KV gathers three to five times slower than copying the same bytes
-from memory already mapped. vLLM's CPU backend has the same problem and recommends preloading
+land on new pages, and the kernel zero-fills each 4 KiB page on first touch: a 16-sequence decode
+step's KV gathers ran several times slower than copying the same bytes from memory already mapped
+(docs/performance-journal.md). vLLM's CPU backend has the same problem and recommends preloading
 tcmalloc; raising glibc's two thresholds (``mallopt``) does the same job without another library.
 The cost: memory freed after a peak (a long prefill) stays in the process for the next one.
 """

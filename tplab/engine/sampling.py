@@ -51,8 +51,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """logits ``(B, V)`` -> next tokens ``(B,)`` and their logprobs under the model ``(B,)``."""
     logits = logits.float()
     logprobs = logits.log_softmax(-1)
-    # the first index of the row's max, as argmax gives it: torch's max over a dim runs 2-3x faster than its
-    # argmax on CPU (0.8 against 2.1 ms for 16 x 151,936 logits, 2 cores of an Intel Xeon)
+    # the first index of the row's max, as argmax gives it: torch's max over a dim runs faster than its
+    # argmax on CPU (docs/performance-journal.md)
     tokens = logits.max(-1).indices
     for b, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:

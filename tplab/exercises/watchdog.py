@@ -25,10 +25,9 @@ import sys
 import sysconfig
 import threading
 
-# A correct part or exercise function returns well within a second. Measured on 2 cores (AMD EPYC, Zen 4) with
-# a load average of 6: every call of a notebook checker's function took milliseconds; check_part's steps in a
-# rank (probe, prefill, greedy serving) at most 0.63 s; its TP 1 prefill in this process at most 1.4 s.
-# 30 s is 20 times the slowest, and under the ranks' timeouts (nb00's 60 s, check_part's 90 s): see bound_for.
+# A correct part or exercise function returns within a second or two, even on a loaded 2-core machine (the
+# figures: docs/performance-journal.md). 30 s is far above that, and under the ranks' timeouts (nb00's 60 s,
+# check_part's 90 s): see bound_for.
 def _bound_from_environment(default: float = 30.0) -> float:
     text = os.environ.get("TPLAB_RETURN_BOUND_S", "")
     try:
