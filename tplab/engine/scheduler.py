@@ -1,30 +1,17 @@
 """Continuous batching with chunked prefill: which sequences run in the next step, and how many of
 their tokens.
 
-Every step has a budget of ``max_num_batched_tokens`` tokens, which bounds the activations of a
-forward pass. The running sequences come first, oldest first: each decodes one token, or, if it is
-still prefilling, takes the next chunk of its prompt (as much as the budget has left). Waiting
-prompts then join while there are sequence slots, budget and free blocks; a prompt longer than
-what is left of the budget starts with a chunk and continues in the next steps, alongside the
-decodes of the others (vLLM's default scheduling). Only the step that feeds a sequence's last
-uncached token samples a token for it.
+Every step has a budget of ``max_num_batched_tokens`` tokens, which bounds a forward pass's activations.
+The running sequences come first, oldest first: each decodes one token, or takes its prompt's next chunk.
+Waiting prompts then join while there are sequence slots, budget and free blocks; a prompt longer than the
+budget left starts with a chunk and continues in the next steps, beside the others' decodes (vLLM's default
+scheduling). Only the step that feeds a sequence's last uncached token samples a token for it. After the
+step, ``postprocess`` is the one place where a sequence's state changes (the block manager's own
+``block_table`` and ``num_cached_tokens`` bookkeeping aside).
 
-After the step, ``postprocess`` is the one place where a sequence's state changes: its fed tokens
-count as cached, its sampled token is appended, and a finished sequence leaves and frees its blocks
-(the block manager's own bookkeeping changes ``block_table`` and ``num_cached_tokens`` too).
-
-Sequences that finish leave between steps, so a short request never waits for a long one. When
-the blocks run out, the most recently admitted running sequence that is not in the middle of its
-prefill is preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed (prompt and generated tokens alike) when there is room again. Nothing is lost, and
-greedy output is the same as without the preemption.
-
-Why not preempt a sequence mid-prefill: with prefix caching, the block manager registers a prompt's
-full blocks when it allocates them. A prompt whose chunks have all been scheduled has them all
-computed by the end of its last chunk's step (a layer writes a step's K/V before any sequence of the
-step reads them), and a waiting prompt joins only when every running prompt has been fully
-scheduled, so a prefix hit never reads a block that is not computed. Freeing a half-computed prompt's
-blocks would leave registered blocks that were never computed.
+When the blocks run out, the most recently admitted running sequence that is not in the middle of its
+prefill is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+(prompt and generated tokens alike) when there is room. Nothing is lost, and greedy output is the same.
 """
 import sys
 from collections import deque
@@ -59,6 +46,12 @@ class Scheduler:
                 self.running.append(seq)
                 continue
             while not bm.can_append(seq):       # make room: preempt the newest, possibly seq itself
+                # Never a prompt in the middle of its prefill: with prefix caching the block manager registers
+                # a prompt's full blocks when it allocates them, and they are all computed by the end of its
+                # last chunk's step (a layer writes a step's K/V before any sequence of the step reads them);
+                # a waiting prompt joins only when every running prompt is fully scheduled, so a prefix hit
+                # never reads a block not yet computed. Freeing a half-computed prompt would leave registered
+                # blocks that were never computed.
                 victim = next((s for s in reversed(queue) if not s.prefilling), seq)
                 if victim is not seq:
                     queue.remove(victim)
