@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 CACHE_DIR = Path(os.environ.get("TPLAB_BENCH_CACHE", Path.home() / ".cache" / "tplab-bench"))
+from machines import machine_folder, results_path  # noqa: E402,F401  (bench/results/<machine>/)
 
 # Qwen2.5-0.5B's exact shape (its config.json), random weights.
 QWEN25_05B = dict(
@@ -272,49 +273,9 @@ def machine() -> str:
             f"torch {m['torch']} ({m['torch_cpu_capability']} kernels)" + (f", GPU {m['gpu']}" if m["gpu"] else ""))
 
 
-def machine_folder(m: dict | None = None) -> str:
-    """The short name of this machine, the folder under ``bench/results/`` its runs land in: the GPU's
-    (``h200``), else the CPU's (``xeon``, ``epyc-zen3``, ``epyc-zen4``; AMD's generation read from the cpu
-    family and AVX-512). ``TPLAB_BENCH_MACHINE`` names it instead."""
-    if os.environ.get("TPLAB_BENCH_MACHINE"):
-        return os.environ["TPLAB_BENCH_MACHINE"]
-    m = m or machine_info()
-    slug = lambda text: "-".join(w for w in "".join(c if c.isalnum() else " " for c in text.lower()).split()
-                                 if w not in ("nvidia", "geforce", "intel", "amd", "r", "tm", "processor", "cpu"))
-    if m.get("gpu"):
-        return slug(m["gpu"]) or "gpu"
-    cpu = m.get("cpu_model", "").lower()
-    if "xeon" in cpu or "epyc" in cpu or "ryzen" in cpu:
-        name = next(n for n in ("xeon", "epyc", "ryzen") if n in cpu)
-    else:
-        name = slug(cpu).split("-")[0] or platform.machine().lower() or "cpu"
-    if m.get("cpu_vendor") == "AuthenticAMD":
-        family = _cpu_family()
-        zen = {23: "zen2", 26: "zen5"}.get(family) or (("zen4" if "avx512f" in m.get("cpu_flags", []) else "zen3")
-                                                      if family == 25 else None)
-        name += f"-{zen}" if zen else ""
-    return name
-
-
-def _cpu_family() -> int | None:
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("cpu family"))
-        return int(line.partition(":")[2])
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def results_path(name: str, quick: bool = False) -> Path:
-    """``bench/results/<machine>/<name>`` (``--quick``: ``bench/results/quick/<name>``), its folder made."""
-    path = BENCH_DIR / "results" / ("quick" if quick else machine_folder()) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def same_machine(a: dict, b: dict) -> bool:
     """Whether two results' ``machine_info`` name the same kind of machine (CPU, cores, flags, GPU)."""
-    keys = ("cpu_model", "cores", "cpu_flags", "gpu")
-    return all(a.get(k) == b.get(k) for k in keys)
+    return all(a.get(k) == b.get(k) for k in ("cpu_model", "cores", "cpu_flags", "gpu"))
 
 
 def rows_to_json(rows: list[Row]) -> list[dict]:
