@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from common import Settings, checkpoint, inproc_engine, layer_shapes, machine, median, set_threads  # noqa: E402
 from peers import COMPILED, FULL, PEERS_QUICK, QUICK, batch_prompts, release, tplab_engines, tplab_gen  # noqa: E402
-from tplab.layers.cpu_gemm import Gemm  # noqa: E402
+from tplab.kernels.gemm import Gemm  # noqa: E402
 
 
 def engine_split(engines: dict, prompts, n: int, rounds: int) -> dict:

@@ -41,8 +41,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from common import (QUICK_SHAPE, QWEN25_05B, Settings, interleaved, layer_shapes, machine, median, paired,  # noqa: E402
                     set_threads)
-from tplab.layers.cpu_gemm import Gemm  # noqa: E402
-from tplab.layers.paged_decode import decode_blocks, paged_decode  # noqa: E402
+from tplab.kernels.gemm import Gemm  # noqa: E402
+from tplab.kernels.paged_decode import paged_decode  # noqa: E402
+from tplab.layers.decode_blocks import decode_blocks  # noqa: E402
 
 
 def kernels(shape: dict, dtype: torch.dtype, rows: int) -> tuple[dict, int]:

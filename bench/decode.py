@@ -78,7 +78,7 @@ def run(ckpt, s: Settings) -> list[Row]:
     log(f"[decode] loading HF and tplab TP 1, prompt {len(prompt)}, {n} new tokens, (threads, rounds) {plan}")
     hf = load_hf(ckpt)
     # an engine of one sequence, as HF's generate of one prompt is (and bench/peers.py's batch-1 rows): on AMD
-    # its fp32 weights then stay plain, tplab's fastest layout for one row (cpu_gemm.one_row_keeps_plain)
+    # its fp32 weights then stay plain, tplab's fastest layout for one row (kernels.gemm.one_row_keeps_plain)
     llm = LLM(ckpt, tensor_parallel_size=1, dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=1)
     try:
         results = [measure(hf, llm, prompt, n, reps, t) for t, reps in plan]

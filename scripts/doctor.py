@@ -155,9 +155,9 @@ GEMM_EPS_LIMIT = 64   # float32 eps of the output's largest value; a float32 GEM
 
 def gemm_paths() -> dict:
     """The float32 matrix products the workbook compares: HF's (``F.linear``) and tplab's (oneDNN, with the
-    weight packed, where this machine has it: ``tplab.layers.cpu_gemm``)."""
+    weight packed, where this machine has it: ``tplab.kernels.gemm``)."""
     import torch.nn.functional as F
-    from tplab.layers.cpu_gemm import Gemm
+    from tplab.kernels.gemm import Gemm
     paths = {"F.linear (HF)": F.linear}
     gemm = Gemm.choose(onednn=True, pack=True)
     if gemm.onednn:
@@ -189,7 +189,7 @@ def check_float32_gemm(paths=None) -> Check:
 def check_fp32_kernels(gemm=None) -> Check:
     """Which kernels an fp32 engine's linear layers run on here (``Gemm.choose``, as the engine picks them)."""
     if gemm is None:
-        from tplab.layers.cpu_gemm import Gemm
+        from tplab.kernels.gemm import Gemm
         gemm = Gemm.choose(onednn=True, pack=True)
     if not gemm.onednn:
         return Check("ok", "fp32 kernels", "F.linear, as HF's: this torch has no oneDNN inner product here")
@@ -207,7 +207,7 @@ def check_bf16_kernels(onednn_bf16: bool | None = None) -> Check:
     than float32 for one sequence (measured on an AVX2 AMD EPYC, Zen 3) and several times slower for a batch."""
     if onednn_bf16 is None:
         import torch
-        from tplab.layers.cpu_gemm import packing_available
+        from tplab.kernels.gemm import packing_available
         onednn_bf16 = packing_available(torch.bfloat16)
     if onednn_bf16:
         return Check("ok", "bf16 kernels", "oneDNN bf16 with packed weights: dtype='bfloat16' streams half fp32's bytes")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tplab import models
-from tplab.layers.vllm_cpu import load_kernel
+from tplab.kernels.vllm_cpu import load_kernel
 from tplab import tolerance
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,8 +5,9 @@ import sys
 import pytest
 import torch
 
-from tplab.layers.attention import Attention, build_metadata, causal_visible, sdpa_attend
-from tplab.layers.paged_decode import dense_decode, paged_decode
+from tplab.kernels.attend import sdpa_attend
+from tplab.kernels.paged_decode import dense_decode, paged_decode
+from tplab.layers.attention import Attention, build_metadata, causal_visible
 
 H, H_KV, D = 6, 2, 8
 

@@ -98,7 +98,7 @@ def test_float32_gemm_paths_here_are_float32_and_a_bf16_path_is_named():
 
 
 def test_fp32_kernels_say_where_few_rows_go_to_mkl():
-    from tplab.layers.cpu_gemm import Gemm
+    from tplab.kernels.gemm import Gemm
     assert "MKL on plain weights" in doctor.check_fp32_kernels(Gemm(True, True, True)).detail
     amd = doctor.check_fp32_kernels(Gemm(True, True, False)).detail
     assert "packed weights at every batch size" in amd and "for Intel" in amd

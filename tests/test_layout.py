@@ -1,15 +1,17 @@
 """The architecture, checked on the import graph: no import cycle anywhere in tplab (imports inside
-functions count), and the engine never imports the teaching side; and no .py file of the repository over
+functions count), the engine never imports the teaching side, and the layers (the idea) never import the
+kernels (how it is made fast); the layers' TP files name no kernel; and no .py file of the repository over
 300 lines."""
 import ast
 import os
 import pathlib
+import re
 import subprocess
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "tplab"
-ENGINE_SIDE = ("distributed", "layers", "models", "engine")
+ENGINE_SIDE = ("distributed", "layers", "kernels", "models", "engine")
 TEACHING_SIDE = ("bugs", "exercises", "golden", "tolerance", "workbook", "plotting", "interactive")
 
 
@@ -86,6 +88,30 @@ def test_engine_side_never_imports_the_teaching_side(side):
     assert not upward, f"the engine imports the teaching side: {upward}"
 
 
+def test_the_layers_never_import_the_kernels():
+    """``tplab.layers`` holds the idea the notebooks teach; ``tplab.kernels`` is handed to it (``Parts.gemm``,
+    ``Parts.attend``) and may import it, never the other way."""
+    inward = sorted(f"{m} -> {d}" for m, ds in graph().items() if m.startswith("tplab.layers")
+                    for d in ds if d == "tplab.kernels" or d.startswith("tplab.kernels."))
+    assert not inward, f"the layers import the kernels: {inward}"
+
+
+# A fast path's words: oneDNN/MKL, packed weights, vLLM's compiled kernels (vLLM's *design* may be named).
+KERNEL_WORDS = re.compile(r"onednn|mkldnn|mkl|pack|vllm_|vllm-|vllmcpu", re.IGNORECASE)
+TP_IDEA_FILES = ("layers/linear.py", "layers/embed_head.py", "layers/attention.py")
+
+
+def kernel_words(path: pathlib.Path) -> list[str]:
+    return [f"{path.name}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+            if KERNEL_WORDS.search(line)]
+
+
+def test_the_tp_layers_name_no_kernel():
+    """A learner reading the TP layers sees the TP idea only: how a product is made fast lives in kernels/."""
+    found = [hit for f in TP_IDEA_FILES for hit in kernel_words(ROOT / f)]
+    assert not found, f"kernel details in the TP layers (move them to tplab/kernels/): {found}"
+
+
 def python_files() -> list[pathlib.Path]:
     """Every .py file of the repository that git tracks; without git (or outside a clone), every .py file
     outside hidden folders (.venv, .git, bench/.peers, ...) and the other ignored ones."""
@@ -121,3 +147,21 @@ def test_the_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
         test_no_import_cycle()
     with pytest.raises(AssertionError, match="tplab.engine.b -> tplab.bugs"):
         test_engine_side_never_imports_the_teaching_side("engine")
+
+
+def test_the_check_sees_layers_importing_kernels_and_naming_them(tmp_path, monkeypatch):
+    """The two checks of the layers can fail: a fake package whose linear layer imports a kernel by name."""
+    fake = tmp_path / "tplab"
+    for folder in ("layers", "kernels"):
+        (fake / folder).mkdir(parents=True)
+        (fake / folder / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "kernels" / "gemm.py").write_text("")
+    (fake / "layers" / "linear.py").write_text("from tplab.kernels.gemm import packed  # oneDNN\n")
+    for name in ("embed_head.py", "attention.py"):
+        (fake / "layers" / name).write_text("")
+    monkeypatch.setattr(__import__(__name__), "ROOT", fake)
+    with pytest.raises(AssertionError, match="tplab.layers.linear -> tplab.kernels.gemm"):
+        test_the_layers_never_import_the_kernels()
+    with pytest.raises(AssertionError, match="linear.py:1: from tplab.kernels.gemm import packed"):
+        test_the_tp_layers_name_no_kernel()

@@ -128,6 +128,7 @@ def test_the_config_is_resolved_once_frozen_and_reaches_ranks_as_is(checkpoint, 
     with pytest.raises(FrozenInstanceError):
         cfg.seed = 1
     layers = [m for m in load_model(cfg).modules() if isinstance(m, LinearBase)]
-    assert layers and all(not m.gemm.onednn and not m.gemm.pack for m in layers)   # F.linear, as asked
+    gemms = [m.linear_method.gemm for m in layers]
+    assert gemms and all(not g.onednn and not g.pack for g in gemms)               # F.linear, as asked
     with pytest.raises(TypeError, match=r"unknown setting\(s\) \['tensor_parallel'\]; the settings are"):
         LLM(checkpoint("gqa"), tensor_parallel=2)

@@ -1,4 +1,4 @@
-"""Weights packed for oneDNN after loading (``process_weights_after_loading``, as vLLM's CPU
+"""Weights packed for oneDNN by each layer's ``linear_method`` (``tplab.kernels.gemm``, as vLLM's CPU
 backend does): the same outputs as the plain weights, the plain copy dropped (kept for the tied LM
 head, whose weight is the embedding's), and a part that reads its own ``weight`` left alone."""
 import pytest
@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from tplab.engine.probe import load_model
-from tplab.layers import cpu_gemm
-from tplab.layers.cpu_gemm import Gemm, onednn_available, packing_available, process_weights_after_loading
+from tplab.kernels import gemm
+from tplab.kernels.gemm import Gemm, onednn_available, packing_available
 from tplab.layers.embed_head import ParallelLMHead
 from tplab.layers.linear import LinearBase, RowParallelLinear
+from tplab.layers.linear_method import process_weights_after_loading
 
 PACKING = Gemm(onednn=True, pack=True)
 needs_packing = pytest.mark.skipif(not packing_available(), reason="oneDNN fp32 weight packing is not available here")
@@ -19,13 +20,19 @@ DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
 
 
 def pack_linear_weights(model):
-    """Process every linear layer (the LM head packs on demand, tested below); how many packed."""
-    return sum(m.process_weights_after_loading(PACKING) for m in model.modules()
-               if isinstance(m, LinearBase))
+    """Hand every linear layer its packing method (the LM head's is tested below); how many will pack. A
+    weight is packed at its layer's first product through the method."""
+    packs = 0
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            m.linear_method = PACKING.method_for(name)
+            packs += m.linear_method.process_weights_after_loading(m)
+    return packs
 
 
 def pack_lm_head(head):
-    return head.process_weights_after_loading(PACKING)
+    head.linear_method = PACKING.method_for("lm_head")
+    return head.linear_method.process_weights_after_loading(head)
 
 
 def run_layers(model, x):
@@ -50,7 +57,7 @@ def test_packed_layers_give_the_plain_layers_outputs(checkpoint, dtype):
     for a, b in zip(packed, plain):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
     layer = model.model.layers[0].mlp.gate_up_proj
-    assert layer.weight.device.type == "meta" and layer.packed_weight.is_mkldnn   # the plain copy is gone
+    assert layer.weight.device.type == "meta" and layer.linear_method.packed.is_mkldnn   # the plain copy is gone
     assert {n: (tuple(p.shape), p.dtype) for n, p in model.named_parameters()} == shapes   # param_bytes unchanged
     assert model.model.embed_tokens.weight.device.type == "cpu"                  # the embedding is not packed
 
@@ -63,9 +70,10 @@ def test_a_part_that_reads_its_weight_is_not_packed(checkpoint):
 
     model = load_model(checkpoint("gqa"), parts={"row_linear": MyRow})
     pack_linear_weights(model)
+    run_layers(model, torch.randn(5, model.config.hidden_size))    # every layer's first product
     down = model.model.layers[0].mlp.down_proj
-    assert down.packed_weight is None and down.weight.device.type == "cpu"
-    assert model.model.layers[0].mlp.gate_up_proj.packed_weight is not None
+    assert down.linear_method.packed is None and down.weight.device.type == "cpu"
+    assert model.model.layers[0].mlp.gate_up_proj.linear_method.packed is not None
 
 
 @needs_packing
@@ -75,13 +83,13 @@ def test_the_lm_head_packs_a_copy_when_needed_and_gives_the_same_logits(checkpoi
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     hidden = [torch.randn(rows, model.config.hidden_size).to(getattr(torch, dtype)) for rows in (1, 2, 3, 16)]
     plain = [model.compute_logits(h) for h in hidden]
-    assert pack_lm_head(model.lm_head) and model.lm_head.packed_weight is None    # nothing made yet
+    assert pack_lm_head(model.lm_head) and model.lm_head.linear_method.packed is None    # nothing made yet
     tol = 1e-5 if dtype == "float32" else 2e-2
     for h, before in zip(hidden, plain):
         torch.testing.assert_close(model.compute_logits(h).float(), before.float(), rtol=tol, atol=tol)
-        made = model.lm_head.packed_weight is not None
+        made = model.lm_head.linear_method.packed is not None
         assert made == (dtype == "bfloat16" or h.shape[0] >= 3), f"{h.shape[0]} rows of {dtype}: copy made {made}"
-    assert model.lm_head.packed_weight.is_mkldnn
+    assert model.lm_head.linear_method.packed.is_mkldnn
     assert model.lm_head.weight is model.model.embed_tokens.weight            # the lookup keeps its rows
 
 
@@ -98,19 +106,19 @@ def test_a_replacement_head_gets_no_packed_copy(checkpoint):
             return hidden @ self.weight.T
 
     model = load_model(checkpoint("gqa"), parts={"lm_head": MyHead})
-    assert not pack_lm_head(model.lm_head)
-    model.compute_logits(torch.randn(16, model.config.hidden_size))
-    assert model.lm_head.packed_weight is None
+    pack_lm_head(model.lm_head)
+    model.compute_logits(torch.randn(16, model.config.hidden_size))   # 16 rows: tplab's head would pack
+    assert model.lm_head.linear_method.packed is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_gemm_is_chosen_for_the_models_dtype_and_multiplies_in_it(dtype):
-    gemm = Gemm.choose(onednn=True, pack=True, dtype=dtype)
-    assert (gemm.onednn, gemm.pack) == (onednn_available(dtype), packing_available(dtype))
+    chosen = Gemm.choose(onednn=True, pack=True, dtype=dtype)
+    assert (chosen.onednn, chosen.pack) == (onednn_available(dtype), packing_available(dtype))
     x, w = torch.randn(5, 64).to(dtype), torch.randn(48, 64).to(dtype)
-    weight = gemm.packed(w) if gemm.can_pack(w) else w
+    weight = chosen.packed(w) if chosen.can_pack(w) else w
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(gemm.linear(x, weight).float(), F.linear(x, w).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(chosen.linear(x, weight).float(), F.linear(x, w).float(), rtol=tol, atol=tol)
 
 
 @pytest.fixture
@@ -126,11 +134,11 @@ def cpu_without_onednn_bf16(monkeypatch):
         return op
     for name in real:
         monkeypatch.setattr(torch.ops.mkldnn, name, refusing(name))
-    for probe in (cpu_gemm.onednn_available, cpu_gemm.packing_available):
+    for probe in (gemm.onednn_available, gemm.packing_available):
         probe.cache_clear()
     yield
     monkeypatch.undo()
-    for probe in (cpu_gemm.onednn_available, cpu_gemm.packing_available):
+    for probe in (gemm.onednn_available, gemm.packing_available):
         probe.cache_clear()
 
 
@@ -158,7 +166,7 @@ def test_a_few_rows_by_a_plain_weight_go_to_mkl_and_the_rest_to_onednn():
     onednn = lambda x, weight: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     for rows in (1, 2, 3, 16):
         x = torch.randn(rows, 64)
-        mkl = rows <= cpu_gemm.FEW_ROWS
+        mkl = rows <= gemm.FEW_ROWS
         assert torch.equal(FEW_ROWS_MKL.linear(x, w, bias), F.linear(x, w, bias) if mkl else onednn(x, w)), rows
         assert torch.equal(FEW_ROWS_MKL.linear(x, packed, bias), onednn(x, packed)), f"{rows} rows, packed weight"
         assert FEW_ROWS_MKL.mkl_takes(x, w) == mkl and not FEW_ROWS_MKL.mkl_takes(x, packed)
@@ -171,24 +179,24 @@ def test_with_mkl_for_few_rows_qkv_o_and_down_stay_plain_gate_up_packs_and_outpu
     xs = [torch.randn(rows, model.config.hidden_size) for rows in (1, 2, 5)]
     plain = [run_layers(model, x) for x in xs]
     assert process_weights_after_loading(model, FEW_ROWS_MKL) == model.config.num_hidden_layers + 1   # gate_up, head
-    layer = model.model.layers[0]
-    for kept in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-        assert kept.packed_weight is None and kept.weight.device.type == "cpu", type(kept).__name__
-    assert layer.mlp.gate_up_proj.packed_weight.is_mkldnn
     for x, before in zip(xs, plain):
         for a, b in zip(run_layers(model, x), before):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    layer = model.model.layers[0]
+    for kept in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert kept.linear_method.packed is None and kept.weight.device.type == "cpu", type(kept).__name__
+    assert layer.mlp.gate_up_proj.linear_method.packed.is_mkldnn
 
 
 @pytest.fixture
 def vendor(monkeypatch):
     """``vendor(name)``: this machine as a CPU of that vendor for ``Gemm.choose``."""
     def be(name):
-        monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: name)
-        cpu_gemm.mkl_fast_here.cache_clear()
+        monkeypatch.setattr(gemm, "cpu_vendor", lambda: name)
+        gemm.mkl_fast_here.cache_clear()
     yield be
     monkeypatch.undo()
-    cpu_gemm.mkl_fast_here.cache_clear()
+    gemm.mkl_fast_here.cache_clear()
 
 
 @needs_mkl
@@ -210,8 +218,8 @@ def test_without_proc_cpuinfo_the_vendor_comes_from_the_processor_name(monkeypat
     def no_file(*args, **kwargs):
         raise FileNotFoundError("/proc/cpuinfo")
     monkeypatch.setattr("builtins.open", no_file)
-    monkeypatch.setattr(cpu_gemm.platform, "processor", lambda: processor)
-    assert cpu_gemm.cpu_vendor() == want
+    monkeypatch.setattr(gemm.platform, "processor", lambda: processor)
+    assert gemm.cpu_vendor() == want
 
 
 @needs_mkl
@@ -246,13 +254,13 @@ def test_an_engine_of_one_sequence_keeps_plain_fp32_weights_on_amd_and_matches_h
     from tplab import LLM, SamplingParams
     from tplab.engine import llm_engine
     vendor("GenuineIntel")
-    assert not cpu_gemm.one_row_keeps_plain(torch.float32, 1)
+    assert not gemm.one_row_keeps_plain(torch.float32, 1)
     vendor("AuthenticAMD")
-    assert cpu_gemm.one_row_keeps_plain(torch.float32, 1)
-    assert not cpu_gemm.one_row_keeps_plain(torch.float32, 2) and not cpu_gemm.one_row_keeps_plain(torch.bfloat16, 1)
+    assert gemm.one_row_keeps_plain(torch.float32, 1)
+    assert not gemm.one_row_keeps_plain(torch.float32, 2) and not gemm.one_row_keeps_plain(torch.bfloat16, 1)
     chosen, process = [], llm_engine.process_weights_after_loading
     monkeypatch.setattr(llm_engine, "process_weights_after_loading",
-                        lambda model, gemm: chosen.append(gemm) or process(model, gemm))
+                        lambda model, methods: chosen.append(methods) or process(model, methods))
     prompts, params = [[3, 17, 42, 99, 5], list(range(40, 71))], SamplingParams(temperature=0.0, max_tokens=10)
     for seqs, packs in ((1, False), (2, True)):
         with LLM(checkpoint("gqa"), max_num_seqs=seqs) as llm:        # TP 1 runs in this process: the vendor holds

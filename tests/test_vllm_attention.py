@@ -11,9 +11,9 @@ import torch
 from conftest import hf_greedy, needs_vllm_kernels
 from tplab import LLM, SamplingParams, models
 from tplab.engine import config
-from tplab.layers import vllm_cpu
+from tplab.kernels import vllm_cpu
 from tplab.layers.attention import Attention
-from tplab.layers.vllm_attention import VllmCpuAttention
+from tplab.kernels.vllm_attention import VllmCpuAttention
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PART = {"attention": VllmCpuAttention}

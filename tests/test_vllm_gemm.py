@@ -13,10 +13,12 @@ from conftest import hf_greedy, needs_vllm_kernels
 from test_bf16 import NEW, assert_agrees_with_hf_bf16, hf_bf16_reference  # noqa: F401 (a fixture)
 from tplab import LLM, SamplingParams, models
 from tplab.engine import config
-from tplab.layers import vllm_cpu, vllm_gemm
-from tplab.layers.cpu_gemm import Gemm, GemmLayer, mkl_fast_here
-from tplab.layers.vllm_attention import VllmCpuAttention
-from tplab.layers.vllm_gemm import VllmCpuGemm, VllmMatmul
+from tplab.kernels import vllm_cpu, vllm_gemm
+from tplab.kernels.gemm import PLAIN_WITH_MKL, Gemm, mkl_fast_here
+from tplab.kernels.vllm_attention import VllmCpuAttention
+from tplab.kernels.vllm_gemm import VllmCpuGemm, VllmMatmul
+from tplab.layers.linear import LinearBase
+from tplab.layers.linear_method import UsesLinearMethod
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PART = {"gemm": VllmCpuGemm}
@@ -68,9 +70,10 @@ def test_bf16_without_amx_multiplies_on_onednns_matmul_and_agrees_too(hf_bf16_re
     bf16 weight goes to oneDNN's matmul handler, as vLLM sends it, with the same agreement with HF bf16."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     with LLM(models.tiny_stories(), dtype="bfloat16", parts=PART) as llm:
-        packed = [m.packed_weight for m in llm._worker.engine.model.modules() if getattr(m, "packed_weight", None)]
-        assert packed and not any(p.brgemm for p in packed)
         outs = llm.generate(hf_bf16_reference[0], SamplingParams(max_tokens=NEW, ignore_eos=True))
+        methods = [m.linear_method for m in llm._worker.engine.model.modules() if isinstance(m, UsesLinearMethod)]
+        packed = [method.packed for method in methods if method.packed is not None]    # made at the first products
+        assert packed and not any(p.brgemm for p in packed)
     assert_agrees_with_hf_bf16(outs, hf_bf16_reference)
 
 
@@ -81,15 +84,16 @@ def test_the_layers_multiply_with_the_kernels(dtype):
     """Not a silent fallback: every packed weight is a ``VllmMatmul``, bf16 ones on the brgemm kernel where
     the CPU has AMX; on Intel the fp32 layers that keep a plain weight for MKL keep it."""
     with LLM(models.tiny_stories(), dtype=dtype, parts=PART) as llm:
+        llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=2, ignore_eos=True))   # the weights' first products
         model = llm._worker.engine.model
         assert llm._worker.engine.cfg.parts.gemm is VllmCpuGemm
-        layers = [m for m in model.modules() if isinstance(m, GemmLayer) and hasattr(m, "gemm_weight")]
-        packed = [m.packed_weight for m in layers if m.packed_weight is not None]
-        kept = [m for m in layers if m.packed_weight is None]
+        layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LinearBase)]
+        packed = [m.linear_method.packed for _, m in layers if m.linear_method.packed is not None]
+        kept = [(name, m) for name, m in layers if m.linear_method.packed is None]
         assert packed and all(isinstance(p, VllmMatmul) for p in packed)
         assert all(p.brgemm == (dtype == "bfloat16" and torch.cpu._is_amx_tile_supported()) for p in packed)
         assert bool(kept) == (dtype == "float32" and mkl_fast_here())
-        assert all(m.plain_with_mkl and m.weight.device.type == "cpu" for m in kept)
+        assert all(name.rpartition(".")[2] in PLAIN_WITH_MKL and m.weight.device.type == "cpu" for name, m in kept)
 
 
 def test_without_the_kernels_the_engine_multiplies_as_tplab_and_says_why(gqa, prompts, monkeypatch, capfd):
@@ -139,7 +143,7 @@ def test_a_library_without_the_brgemm_kernel_multiplies_bf16_on_onednn(monkeypat
 # in a fresh process: the wheel's AVX2 library (argv[1]), as an AVX2-only CPU gets it; any x86 CPU runs AVX2 code
 LOAD_AVX2 = """
 import pathlib, sys
-from tplab.layers import vllm_cpu
+from tplab.kernels import vllm_cpu
 vllm_cpu._library = lambda: pathlib.Path(sys.argv[1])
 print(vllm_cpu.load_kernel(), vllm_cpu.has_ops(*vllm_cpu.OPS), vllm_cpu.has_ops(*vllm_cpu.BRGEMM_OPS))
 """

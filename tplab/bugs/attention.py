@@ -2,12 +2,13 @@
 
 Shape legend: H / H_kv query / KV heads on this rank, Lq / Lk new queries / keys of one sequence,
 T new tokens in the step, D head_dim. ``Parts.attend`` is called once per sequence (see
-``tplab.layers.attention.sdpa_attend``).
+``tplab.layers.attention.plain_attend``).
 """
 import torch
 import torch.nn.functional as F
 
-from tplab.layers.attention import Attention, sdpa_attend
+from tplab.kernels.attend import sdpa_attend
+from tplab.layers.attention import Attention
 
 
 def mask_mul_inf_attend(q, k, v, visible, scale):

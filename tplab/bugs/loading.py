@@ -1,6 +1,7 @@
 """Loading pitfalls: an LM head nothing loads (zeros, or HF's random initialisation), the full
 checkpoint read on every rank."""
 import torch
+import torch.nn.functional as F
 
 from tplab.layers.embed_head import ParallelLMHead
 from tplab.models.loader import LoadReport, checkpoint_files, default_weight_loader, param_for
@@ -24,7 +25,7 @@ class UnloadedLMHead(ParallelLMHead):
         return torch.zeros_like(self.weight)
 
     def forward(self, hidden, gather_output: bool = True):
-        logits = self.gemm.linear(hidden, self.unloaded)            # not self.weight: (N, per_rank)
+        logits = F.linear(hidden, self.unloaded)                    # not self.weight: (N, per_rank)
         return self.gather(logits) if gather_output else logits
 
 

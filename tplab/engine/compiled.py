@@ -1,53 +1,13 @@
 """The compiled path (``EngineConfig.compile``, ``TPLAB_COMPILE=1``): a rank's model forward through
-``torch.compile`` with inductor, which on CPU writes C++ for the ops between the matmuls and builds it
-with the machine's C++ compiler. Opt-in: the eager path is the default and the reference.
-
-What is compiled: the model's ``forward`` (the embedding, every decoder layer, the final norm) as one
-graph. In it each linear layer and each attention is one opaque op (``tplab::linear``,
-``tplab::attention``) that runs the part's own ``forward`` eagerly, as vLLM's compiled graphs hold
-``unified_attention``:
-
-- attention reads the step's metadata (Python lists of sequence lengths that change every step) and
-  loops over sequences in Python, so tracing it would recompile every step. Its op takes q, k, v and
-  the layer's index; the KV cache and the metadata come from ``_step``, set around each forward (the op
-  writes the cache in place, which a functional graph must not see, or it would copy the cache);
-- a linear layer multiplies by a weight packed for oneDNN (``cpu_gemm``; on Intel some stay plain for MKL's
-  few-row products, the same op either way): an opaque tensor that inductor
-  takes only as a frozen constant (``freezing``), and a graph with one is never written to inductor's
-  cache on disk. So the matmul (and a row-parallel layer's all-reduce) stays the library call eager
-  runs, and the graph holds no weight but the norms'.
-
-What inductor gains between two matmuls: RMSNorm (with the residual add before it), RoPE (the cos/sin
-lookup, rotate-half, the products and sums, for q and k), SiLU-and-mul and the last residual add become
-five loops in C++ instead of about 40 dispatched ops a layer; and the whole step is one call, its guards
-checked once. The first version compiled one decoder layer and ran that graph for every layer: each
-layer then paid dynamo's guard check and its graph's call, about what the fused ops saved, and 16
-requests ran no faster than eager. The whole forward as one graph decodes one sequence about 1.06x faster
-than eager, and a step of 16 sequences about 1.03x (2 cores of an Intel Xeon, paired rounds with the two
-engines built in both orders, which moves each ratio by about 5% on that VM; README).
-The collectives outside linear layers (the embedding's, sequence parallelism's) are ops of the graph too
-(``_collectives_as_ops``). The LM head stays eager.
-
-Tried and left out: putting the weights in the graph (``freezing``, with ``max-autotune`` choosing each
-matmul's kernel among inductor's C++ GEMM templates, oneDNN and MKL). On that Xeon it picked AMX
-micro-kernels for bf16 and gained 1.07x at batch 1 and nothing at 16 rows (fp32: about 1.1x and nothing),
-for 100-160 s of compiling at every start: frozen weights keep the graph out of the cache on disk.
-
-Shapes: a step feeds T tokens, any number. ``dynamic=True`` compiles T as a symbol, so prefill chunks
-and decode steps of 2..512 tokens share one graph; T = 1 (a lone sequence's decode, the step that
-runs most) gets a graph of its own, specialised, as dynamo does for size 1: two compiles, no padding
-to buckets (attention would have to skip padded tokens).
-
-Cost: the first start compiles (about a minute on 2 cores); inductor's FX graph cache on disk
-(``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) makes later starts on the machine take seconds. Where
-no C++ compiler is present, or compiling fails, the model runs eagerly and one line says so, once per
-process.
-
-On a GPU the same graph compiles to Triton kernels. There a decode step is bound by launching kernels
-from the host, not by the GPU, so fusing them pays more. On an NVIDIA H200 (2026-11-27) the compiled path
-decoded 1.5-2.2x (bf16) and 1.3-1.4x (fp32) faster than eager at batch 1, and 1.7x and 1.3x at 16 rows
-(eager measured in the same rounds and in a section of its own). The fp32 tokens equalled HF's.
-Compiling took 26-47 s. Numbers are from ``bench/gpu.py``; see the README's "On a GPU".
+``torch.compile`` with inductor (C++ on CPU, Triton on a GPU). Opt-in: the eager path is the default and the
+reference. The whole forward is one graph, in which each linear layer and each attention is one opaque op
+(``tplab::linear``, ``tplab::attention``) running the part's own eager ``forward``, as vLLM's graphs hold
+``unified_attention``: attention reads per-step Python metadata and loops over sequences (traced, it would
+recompile every step) and writes the KV cache in place; a linear layer's method may multiply by a packed
+weight that only a frozen graph could hold. What inductor fuses is what lies between: RMSNorm with its
+residual add, RoPE, SiLU-and-mul. ``dynamic=True``: one graph for every token count, one more for T = 1.
+The first start compiles; inductor's cache on disk makes later starts take seconds. Where no C++ compiler
+is present, or compiling fails, the model runs eagerly and one line says so. Measurements: docs/performance.md.
 """
 import functools
 import os
@@ -61,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplab.distributed import parallel_state
-from tplab.layers.cpu_gemm import GemmLayer
+from tplab.layers.linear_method import UsesLinearMethod
 
 _step: dict = {"kv_caches": None, "meta": None, "attentions": None, "linears": None}   # the step being run
 _said: set[str] = set()                                                             # fallback lines printed
@@ -183,16 +143,23 @@ def while_compiling(e: BaseException) -> bool:
 
 
 def _opaque(model: nn.Module) -> tuple[list, list]:
-    """Give every attention part and every linear layer of ``model``'s forward (the LM head, used after it,
-    keeps its own) an opaque ``forward``; their eager forwards, by index, for the ops."""
-    attentions = [m.attn for m in model.modules() if isinstance(getattr(m, "attn", None), nn.Module)]
-    linears = [m for name, m in model.named_modules() if isinstance(m, GemmLayer) and name != "lm_head"]
-    for modules, forward in ((attentions, _opaque_attention), (linears, _opaque_linear)):
-        for i, m in enumerate(modules):
-            m.tplab_op_index = i         # a constant of the graph: each call site of the forward has its own
-            m.tplab_out_features = m.weight.shape[0] if forward is _opaque_linear else None
-            m.forward = types.MethodType(forward, m)
+    """Give every attention part and every linear layer of ``model``'s forward (each layer that declares it
+    multiplies through a linear method; the LM head, used after the forward, keeps its own) an opaque
+    ``forward``; their eager forwards, by index, for the ops."""
+    attentions = [layer.self_attn.attn for layer in model.model.layers]     # the Parts.attention of each layer
+    linears = [m for name, m in model.named_modules() if isinstance(m, UsesLinearMethod) and name != "lm_head"]
+    for i, m in enumerate(attentions):
+        _make_opaque(m, _opaque_attention, i)
+    for i, m in enumerate(linears):
+        _make_opaque(m, _opaque_linear, i, out_features=m.weight.shape[0])
     return [type(m).forward.__get__(m) for m in attentions], [type(m).forward.__get__(m) for m in linears]
+
+
+def _make_opaque(module: nn.Module, forward, index: int, out_features: int | None = None) -> None:
+    """``module.forward`` becomes ``forward``, which calls the op with ``index``, a constant of the graph (each
+    call site of the forward has its own), and ``out_features`` (a linear layer's output width)."""
+    module.tplab_op_index, module.tplab_out_features = index, out_features
+    module.forward = types.MethodType(forward, module)
 
 
 class CompiledForward:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from tplab.distributed.launcher import pick_backend
 from tplab.engine.parts import Parts, resolve
+from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention, AttendsDecodesTogether
-from tplab.layers.cpu_gemm import Gemm
 from tplab.layers.linear import ReturnsPartialSums, check_heads_divisible, valid_tp_sizes
 from tplab.layers.rotary import check_rope_supported
 from tplab.models.loader import checkpoint_files
@@ -147,7 +147,7 @@ class EngineConfig:
     # CPU speed settings; the environment gives their defaults (CI runs the notebooks with TPLAB_ONEDNN=0)
     onednn: bool = field(default_factory=lambda: _env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
     pack_weights: bool = field(default_factory=lambda: _env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
-    few_rows_mkl: bool = field(default_factory=lambda: _env_flag("TPLAB_FEW_ROWS_MKL"))  # cpu_gemm.FEW_ROWS
+    few_rows_mkl: bool = field(default_factory=lambda: _env_flag("TPLAB_FEW_ROWS_MKL"))  # kernels.gemm.FEW_ROWS
     malloc_tune: bool = field(default_factory=lambda: _env_flag("TPLAB_MALLOC_TUNE"))    # engine.malloc
     compile: bool = field(default_factory=lambda: _env_flag("TPLAB_COMPILE", "0"))  # torch.compile, engine.compiled
     hf_config: object = field(default=None, repr=False)  # None -> config.json's, as plain_config

@@ -25,7 +25,8 @@ from tplab.engine.static_decode import graph_memory_bound as static_graph_memory
 from tplab.models.loader import LoadReport, checkpoint_names
 from tplab.models.pipeline import other_stages_names
 from tplab.layers.attention import kv_cache_shape
-from tplab.layers.cpu_gemm import one_row_keeps_plain, process_weights_after_loading
+from tplab.kernels.gemm import one_row_keeps_plain
+from tplab.layers.linear_method import process_weights_after_loading
 from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
 
 
@@ -37,7 +38,7 @@ def eos_token_ids(hf_config) -> frozenset[int]:
 def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: int | None = None,
                 pack: bool = True) -> tuple[Qwen2ForCausalLM, LoadReport]:
     """This rank's shard of the model, built from ``cfg.parts``, with its weight slices read from the
-    checkpoint and processed for the config's GEMM (``tplab.layers.cpu_gemm``; ``pack=False`` keeps every
+    checkpoint, and every linear layer handed its ``linear_method`` (``Parts.gemm``; ``pack=False`` keeps every
     weight readable); and what the load read. ``tp_rank``/``tp_size`` default to the process group's."""
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
     pp_rank, pp_size = pp_rank_and_size()

@@ -16,8 +16,9 @@ from typing import Callable
 from tplab.engine.block_manager import BlockManager
 from tplab.engine.model_runner import token_positions
 from tplab.engine.static_decode import StaticDecode
-from tplab.layers.attention import Attention, sdpa_attend
-from tplab.layers.cpu_gemm import Gemm
+from tplab.kernels.attend import sdpa_attend
+from tplab.kernels.gemm import Gemm
+from tplab.layers.attention import Attention
 from tplab.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tplab.layers.rotary import apply_rotary
@@ -34,7 +35,7 @@ class Parts:
     qkv_linear: type = QKVParallelLinear            # fused q|k|v, column parallel by head
     gate_up_linear: type = MergedColumnParallelLinear  # fused gate|up, column parallel
     row_linear: type = RowParallelLinear            # o_proj and down_proj: partial sums, all-reduced
-    gemm: type = Gemm                               # how the linear layers multiply (on CPU: oneDNN, packed)
+    gemm: type = Gemm                               # each linear layer's linear_method (on CPU: oneDNN, packed)
     attention: type = Attention                     # writes K/V into the paged cache, then attends
     attend: Callable = sdpa_attend                  # softmax(q k^T) v under the causal mask
     apply_rope: Callable = apply_rotary             # rotate q, k by cos/sin

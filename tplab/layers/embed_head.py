@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.layers.cpu_gemm import FEW_ROWS, Gemm, GemmLayer
 from tplab.layers.linear import ReturnsPartialSums
+from tplab.layers.linear_method import UsesLinearMethod
 from tplab.layers.weights import copy_into, expect_shape
 from tplab.distributed.parallel_state import all_gather, all_reduce, tp_rank_and_size
 
@@ -62,11 +62,12 @@ class VocabParallelEmbedding(nn.Module, ReturnsPartialSums):
         return all_reduce(partial, self.tp_size) if self.reduce_results else partial
 
 
-class ParallelLMHead(VocabParallelEmbedding, GemmLayer):
+class ParallelLMHead(VocabParallelEmbedding, UsesLinearMethod):
     """``logits = hidden @ W.T`` with W split by vocab rows; an all-gather assembles the full vocab.
 
     Every rank gets the full logits, so every rank can sample the same token from
-    the same seeded generator with no extra broadcast.
+    the same seeded generator with no extra broadcast. The product goes through ``self.linear_method``
+    (``tplab.layers.linear_method``), which must leave ``weight`` readable: it is usually the embedding's.
 
     Contract of ``Parts.lm_head`` (what a replacement keeps):
     - ``__init__(num_embeddings, embedding_dim, tp_rank=None, tp_size=None)``, as the embedding.
@@ -77,36 +78,9 @@ class ParallelLMHead(VocabParallelEmbedding, GemmLayer):
       rank, padding rows dropped.
     """
 
-    packed_weight = None     # a packed copy of weight, made at the first step that wants it
-    pack_on_demand = False   # set by process_weights_after_loading where the config packs
-    packs_weight = True
-
-    def process_weights_after_loading(self, gemm: Gemm) -> bool:
-        """Where the config packs, keep a packed copy of the weight, made at the first step that wants it
-        (vLLM's CPU backend does the same). The plain weight stays: it is usually the embedding's too
-        (tied), and the lookup needs it. The copy costs one more ``(vocab / tp_size, hidden)`` weight
-        (545 MB fp32 for Qwen2.5-0.5B at TP 1) and buys fp32 logits of a 16-sequence decode step about
-        1.5x faster (they are a quarter of the step), and bf16 logits at any batch that oneDNN does not
-        reorder on every call. fp32 logits of one or two rows stay on the plain weight, which streams
-        faster for so few rows (through MKL where the ``Gemm`` has ``few_rows_mkl``), so a single sequence's
-        fp32 generation never makes the copy. Returns
-        whether the head will pack."""
-        self.gemm = gemm
-        self.pack_on_demand = self.packs_weight and gemm.can_pack(self.weight)
-        return self.pack_on_demand
-
     def forward(self, hidden: torch.Tensor, gather_output: bool = True) -> torch.Tensor:
-        logits = self.gemm.linear(hidden, self._weight_for(hidden))  # (N, per_rank)
+        logits = self.linear_method.apply(self, hidden)             # (N, per_rank)
         return self.gather(logits) if gather_output else logits
-
-    def _weight_for(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The packed copy (made at the first step that wants it), except for fp32 logits of at most
-        ``FEW_ROWS`` rows, which stream faster from the plain weight."""
-        if not self.pack_on_demand or (hidden.shape[0] <= FEW_ROWS and self.weight.dtype == torch.float32):
-            return self.weight
-        if self.packed_weight is None:
-            self.packed_weight = self.gemm.packed(self.weight)
-        return self.packed_weight
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """Every rank's ``(N, per_rank)`` logits -> the full ``(N, vocab)``, padding rows dropped."""

@@ -11,18 +11,17 @@ import torch
 from torch import nn
 
 from tplab.distributed.parallel_state import all_reduce, divide, tp_rank_and_size
-from tplab.layers.cpu_gemm import Gemm, GemmLayer
+from tplab.layers.linear_method import UsesLinearMethod
 from tplab.layers.weights import copy_into, expect_shape
 
 
-class LinearBase(nn.Module, GemmLayer):
+class LinearBase(nn.Module, UsesLinearMethod):
     """A ``(out_local, in_local)`` weight (and optional ``out_local`` bias) with a ``weight_loader``.
 
-    After loading, ``process_weights_after_loading(gemm)`` (``tplab.layers.cpu_gemm``) reorders the weight
-    once for oneDNN where the config packs: ``packed_weight`` then holds the numbers, and ``weight`` stays a
-    parameter of the same shape and dtype on the ``meta`` device (its bytes still count in ``param_bytes``;
-    reading its values is an error), as vLLM's CPU backend drops the plain copy."""
-    packs_weight = True                  # forward reads packed_weight when there is one
+    ``forward`` multiplies through ``self.linear_method`` (``tplab.layers.linear_method``): plain ``F.linear``
+    until the engine hands the layer the method ``Parts.gemm`` chose. That method may take the weight over
+    (docs/api.md): ``weight`` then stays a parameter of the same shape and dtype on the ``meta`` device (its
+    bytes still count in ``param_bytes``; reading its values is an error)."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank=None, tp_size=None):
         super().__init__()
@@ -34,26 +33,12 @@ class LinearBase(nn.Module, GemmLayer):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.packed_weight = None        # set by process_weights_after_loading where the config packs
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         raise NotImplementedError
 
-    def process_weights_after_loading(self, gemm: Gemm) -> bool:
-        self.gemm = gemm
-        if not (self.packs_weight and gemm.can_pack(self.weight)) or gemm.keeps_plain(self):
-            return False
-        weight = self.weight
-        self.packed_weight = gemm.packed(weight)
-        self.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
-        return True
-
-    def gemm_weight(self) -> torch.Tensor:
-        """The weight ``forward`` multiplies by: the packed copy when there is one."""
-        return self.weight if self.packed_weight is None else self.packed_weight
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm.linear(x, self.gemm_weight(), self.bias)
+        return self.linear_method.apply(self, x, self.bias)                # (T, out_local)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -128,8 +113,6 @@ class QKVParallelLinear(LinearBase):
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, rank, size)
         assert self.weight.shape == (self.q_size + 2 * self.kv_size, hidden_size)
 
-    plain_with_mkl = True              # packing gains little at 16 rows; MKL 1.3x at one (cpu_gemm)
-
     def weight_loader(self, param, loaded, shard_id: str):
         if shard_id == "q":
             full, rows, offset = self.total_num_heads * self.head_size, self.q_size, 0
@@ -190,11 +173,8 @@ class RowParallelLinear(LinearBase, ReturnsPartialSums):
         cols = param.shape[1]
         copy_into(param.data, loaded.narrow(1, self.tp_rank * cols, cols))
 
-    packs_weight = True
-    plain_with_mkl = True              # o_proj, down_proj: packing gains little at 16 rows (cpu_gemm)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.gemm.linear(x, self.gemm_weight(), self.bias if self.tp_rank == 0 else None)
+        y = self.linear_method.apply(self, x, self.bias if self.tp_rank == 0 else None)   # (T, output_size) partial
         return all_reduce(y, self.tp_size) if self.reduce_results else y
 
 

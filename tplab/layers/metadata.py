@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tplab.layers.paged_decode import DecodeBlocks, decode_blocks
+from tplab.layers.decode_blocks import DecodeBlocks, decode_blocks
 
 
 @dataclass
@@ -32,7 +32,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor        # (N,) long: every sequence's key slots, packed; N = sum(seq_lens)
     kv_start_loc: list[int]       # B + 1 ints: where each sequence's keys start in kv_slots; the last is N
     visible: list[torch.Tensor]   # B bool masks (Lq, Lk): causal_visible(Lq, Lk), True = may attend
-    decode: DecodeBlocks | None = None  # the blocks of the sequences with one new token, for paged_decode
+    decode: DecodeBlocks | None = None  # the blocks of the sequences with one new token (layers.decode_blocks)
     block_tables: list[list[int]] = field(default_factory=list)  # B lists: each sequence's blocks, in order
     per_step: dict = field(default_factory=dict, repr=False)  # what a part makes once a step for every layer
 

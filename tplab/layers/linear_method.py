@@ -1,0 +1,41 @@
+"""How a layer multiplies by its weight, as a part of its own: vLLM's ``quant_method``.
+
+A tensor-parallel layer decides what to multiply (its shard of the weight) and what to communicate; how the
+product is computed on a given machine is its ``linear_method``'s business. Here it is plain ``F.linear``;
+the engine hands each layer another after loading (``Parts.gemm``, docs/api.md), and the layer's code does
+not change.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod:
+    """``apply(layer, x, bias) = x @ layer.weight.T + bias``, with nothing done to the weight after loading."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> bool:
+        """Called once after the checkpoint is loaded; whether this method will take over the weight."""
+        return False
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``(T, in_local) -> (T, out_local)``."""
+        return F.linear(x, layer.weight, bias)
+
+
+class UsesLinearMethod:
+    """Mixed into a layer that multiplies by its ``weight`` through ``self.linear_method.apply(self, x, bias)``
+    (tplab's linear layers and LM head): after loading, the engine hands it a method of its own
+    (``process_weights_after_loading`` below). Until then it multiplies with plain ``F.linear``."""
+    linear_method: LinearMethod = LinearMethod()
+
+
+def process_weights_after_loading(model: nn.Module, methods) -> int:
+    """After loading: give every ``UsesLinearMethod`` layer of ``model`` its own ``methods.method_for(name)``
+    (``name``: its module name, vLLM's ``prefix``, e.g. ``model.layers.0.mlp.down_proj``), and let it process
+    the layer's weight; how many of them will take their layer's weight over."""
+    taken = 0
+    for name, module in model.named_modules():
+        if isinstance(module, UsesLinearMethod):
+            module.linear_method = methods.method_for(name)
+            taken += bool(module.linear_method.process_weights_after_loading(module))
+    return taken
