@@ -93,7 +93,7 @@ def set_threads(n: int) -> None:
 
 def build_order(names: list[str]) -> list[str]:
     """The order in which to build engines compared in one process: ``names`` as given, reversed with
-    ``TPLAB_BENCH_REVERSE_BUILD=1``. On the 2-core Xeon VM of the README, of two engines built one after
+    ``TPLAB_BENCH_REVERSE_BUILD=1``. On a 2-core Xeon VM (docs/performance.md), of two engines built one after
     the other in a process the second decoded 5-14% faster than the first at batch 1, the same engine either way
     (bench/README.md, "Build order"): a comparison made in one order only carries that bias."""
     return names[::-1] if os.environ.get("TPLAB_BENCH_REVERSE_BUILD") == "1" else list(names)
