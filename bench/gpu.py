@@ -1,22 +1,14 @@
-"""tplab TP 1 on a GPU against HF ``generate`` on the same GPU: greedy tokens, decode rates, memory, and whether
-``torch.compile`` (tplab's compiled path; HF's static cache, whose compiled forward runs as CUDA graphs) helps.
+"""tplab TP 1 on a GPU against HF ``generate`` on the same GPU: greedy tokens, decode rates against the
+weight-streaming bound, memory. tplab as ``LLM(model)`` gives it (decode steps replayed as CUDA graphs), with
+``enforce_eager=True`` and with ``compile=True``; HF eager and with its static cache (a compiled forward
+replayed as CUDA graphs).
 
-Per dtype (fp32, bf16), on the 0.5B-shape random checkpoint (``common.checkpoint``):
-- batch 1: a 32-token prompt, decode rate = (n - 1) / (time of an n-token generate - time of a 1-token one),
-  so prefill and the first token are taken out; paired rounds (``common.interleaved``), CUDA synchronised;
-- 16 requests of 32 tokens (equal lengths, so HF needs no padding), the same decode rate over all rows;
-- tokens: how many of tplab's greedy tokens equal HF's, from the start (a random checkpoint has near-ties, so a
-  late divergence in bf16 is rounding; ``tests/test_gpu.py`` holds exact parity on the trained checkpoint);
-- memory: bytes the weights hold on the GPU, and the peak a generate adds above what was allocated before it.
-
-Without CUDA it says so and exits 0. ``--device cpu --quick`` runs every step on the CPU (a dry run of this
-script). Results go to ``--out`` (JSON; default bench/results/<machine>/gpu.json) after every section, so a run
-cut off keeps what it measured.
-``--profile PREFIX`` also writes, per engine, the ops of one decode step at the batch: a 9-token generate's
-profile less a 1-token one's (the prefill), over 8.
-
-What it measured, and the per-step profiles, are in docs/performance.md ("On a GPU"), the runs in
-bench/results/h200/.
+Per dtype, on the 0.5B-shape random checkpoint: batch 1 (a 32-token prompt) and 16 requests of 32 tokens;
+decode rate = (n - 1) / (time of an n-token generate - time of a 1-token one), paired rounds, CUDA
+synchronised; how many greedy tokens equal HF's from the start. Results go to ``--out`` (default
+bench/results/<machine>/gpu.json) after every section, so a run cut off keeps what it measured. Without CUDA it
+says so and exits 0; ``--device cpu --quick`` is a dry run. ``--profile PREFIX`` writes the ops of one decode
+step per engine. The figures are in docs/performance.md ("On a GPU").
 """
 import argparse
 import json
@@ -84,6 +76,21 @@ def decode_rates(runners: dict, prompts, n: int, reps: int) -> dict:
     return {k: {"tok_s": median(v), "vs_" + first: paired(v, per_round[first])} for k, v in per_round.items()}
 
 
+def stream_bandwidth(device) -> float:
+    """Bytes per second this device reads: the best of 5 sums over 2 GiB (the bound a decode step's weight
+    reads are held to: at batch b it is ``b * bandwidth / weight bytes`` tokens per second)."""
+    x = torch.ones(1 << 30, dtype=torch.bfloat16, device=device)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return 2 * (1 << 30) / best
+
+
 def leading_equal(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -123,6 +130,10 @@ def measure(runners: dict, one, batch, args, res: dict, clock: Clock, tag: str, 
             res.setdefault(tag, {})[rows] = "skipped: out of time"
             continue
         res.setdefault(tag, {})[rows] = rates = decode_rates(runners, prompts, args.new, args.reps)
+        if res.get("bandwidth_bytes_s"):        # the fraction of the weight-streaming bound each engine reaches
+            bound = len(prompts) * res["bandwidth_bytes_s"] / res["weight_bytes"]
+            for rate in rates.values():
+                rate["of_bound"] = rate["tok_s"] / bound
         log(f"{tag} {rows}: " + ", ".join(f"{k} {v['tok_s']:.1f} tok/s" for k, v in rates.items()))
 
 
@@ -189,8 +200,12 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
     hf, res["hf_weight_bytes"] = memory_of(load_hf, dev)
     llm, res["tplab_bytes_with_kv_cache"] = memory_of(lambda: LLM(str(ckpt), dtype=name, device=dev, **kv), dev)
     res["tplab_kv_cache_bytes"] = llm.stats()["kv_cache_bytes"]
-    runners = {"hf": hf_runner(hf, dev), "tplab": tplab_runner(llm, dev)}
+    res["tplab_cuda_graphs"] = llm.config.cuda_graphs                  # the default engine: graphs on CUDA
+    eager = LLM(str(ckpt), dtype=name, device=dev, enforce_eager=True, **kv)
+    runners = {"hf": hf_runner(hf, dev), "tplab": tplab_runner(llm, dev), "tplab_eager": tplab_runner(eager, dev)}
+    res["weight_bytes"] = llm.rank_info[0]["param_bytes"]
     if torch.device(dev).type == "cuda":
+        res["bandwidth_bytes_s"] = stream_bandwidth(dev)
         res["host_syncs_per_decode_step"] = {k: host_syncs(run, batch) for k, run in runners.items()}
     if args.profile:
         text = "".join(f"=== {k}, {len(batch)} prompts, {name}\n{profile_table(run, batch, dev)}\n"
@@ -212,7 +227,7 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
             res["hf_static_error"] = f"{type(e).__name__}: {e}"[:600]
     if args.compile and not clock.over:
         try:
-            compiled = LLM(str(ckpt), dtype=name, device=dev, compile=True, **kv)
+            compiled = LLM(str(ckpt), dtype=name, device=dev, compile=True, **kv)     # graphs too, on CUDA
             c = tplab_runner(compiled, dev)
             res["tplab_compiled_first_calls_s"] = first_calls(c, one, batch)
             res["tplab_compiled_forwards"] = compiled.stats().get("compiled_forwards")
@@ -221,8 +236,10 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
             compiled.shutdown()
         except Exception as e:                          # noqa: BLE001 (a measurement: report and go on)
             res["tplab_compiled_error"] = f"{type(e).__name__}: {e}"[:600]
+    res["tplab_graph_replays"] = llm._worker.engine.runner.static.num_replays if llm.config.static_decode else 0
     llm.shutdown()
-    del hf, llm, runners
+    eager.shutdown()
+    del hf, llm, eager, runners
     if torch.device(dev).type == "cuda":
         torch.cuda.empty_cache()
 

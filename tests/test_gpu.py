@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason=NO_CUDA)]
 two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"NCCL at TP 2 needs two GPUs; {GPUS} visible")
 
 STORIES = ["Once upon a time", "The little dog", "Tom and Lily went to the park", "One day, a girl named Mia"]
+SIXTEEN = STORIES + [f"{s} {w}" for w in ("saw a big", "was very happy", "wanted to play") for s in STORIES]
 NEW = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -35,24 +36,25 @@ def hf_cuda():
     Qwen2 on cuda:0."""
     from transformers import AutoTokenizer, Qwen2ForCausalLM
     path, cache = models.tiny_stories(), {}
-    prompts = [AutoTokenizer.from_pretrained(path).encode(s) for s in STORIES]
+    tokenizer = AutoTokenizer.from_pretrained(path)
 
-    def reference(dtype):
-        if dtype not in cache:
+    def reference(dtype, stories=tuple(STORIES)):
+        prompts = [tokenizer.encode(s) for s in stories]
+        if (dtype, stories) not in cache:
             hf = Qwen2ForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
-            cache[dtype] = []
+            cache[dtype, stories] = []
             with torch.no_grad():
                 for p in prompts:
                     ids = torch.tensor([p], device="cuda")
                     out = hf.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):]
                     logits = hf(torch.tensor([p + out.tolist()], device="cuda")).logits[0].float()
                     logprobs = logits.log_softmax(-1)
-                    cache[dtype].append((out.tolist(), [logprobs[len(p) - 1 + i, t].item()
-                                                        for i, t in enumerate(out.tolist())],
-                                         tolerance.logprob_bound(logits, dtype)))
+                    cache[dtype, stories].append((out.tolist(), [logprobs[len(p) - 1 + i, t].item()
+                                                                 for i, t in enumerate(out.tolist())],
+                                                  tolerance.logprob_bound(logits, dtype)))
             del hf
             torch.cuda.empty_cache()
-        return prompts, cache[dtype]
+        return prompts, cache[dtype, stories]
     return reference
 
 
@@ -184,12 +186,13 @@ def test_the_compiled_path_on_the_gpu_matches_hf(hf_cuda):
     assert_matches(outs, ref, torch.float32, "TP 1 cuda compiled")
 
 
-def test_a_decode_forward_never_waits_for_the_gpu():
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_a_decode_forward_never_waits_for_the_gpu(enforce_eager):
     """Inside the model's forward of a decode step nothing makes the host wait for the GPU (a .item(), a copy
     to the CPU, an op that checks its inputs' values): a decode step is bound by launching kernels, and one
     such wait a layer costs what the GPU takes to catch up. CUDA's sync debug mode turns any into an error."""
-    with LLM(models.tiny_stories(), max_num_seqs=4) as llm:
-        model = llm._worker.engine.runner.model
+    with LLM(models.tiny_stories(), max_num_seqs=4, enforce_eager=enforce_eager) as llm:
+        model = llm._worker.engine.runner.model            # with graphs: the forward each bucket captures
         forward, decodes = model.forward, []
 
         def strict(input_ids, kv_caches, meta):

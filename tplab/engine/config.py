@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tplab.distributed.launcher import pick_backend
 from tplab.engine.parts import Parts, resolve
 from tplab.kernels.gemm import Gemm
-from tplab.layers.attention import Attention, AttendsDecodesTogether
+from tplab.layers.attention import Attention
 from tplab.layers.linear import ReturnsPartialSums, check_heads_divisible, valid_tp_sizes
 from tplab.layers.rotary import check_rope_supported
 from tplab.models.loader import checkpoint_files
@@ -202,7 +202,7 @@ def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str) -> bool:
     """Whether decode steps run at fixed shapes: by default where they are replayed as CUDA graphs (CUDA,
     not ``enforce_eager``), on request anywhere. Not with what changes a step's shapes or reads its values
     on the host: pipeline stages, sequence parallelism's token split, ``check_finite``, or an attention that
-    does not say it attends padded decodes (``AttendsDecodesTogether``)."""
+    does not say it takes a step at fixed shapes (``Attention.takes_padded_decodes``)."""
     for name in ("enforce_eager", "static_decode"):
         if getattr(cfg, name) not in ((True, False) if name == "enforce_eager" else (True, False, None)):
             raise ValueError(f"{name} must be True or False{' or None' * (name == 'static_decode')}, "
@@ -210,8 +210,8 @@ def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str) -> bool:
     blockers = {"pipeline_parallel_size > 1": cfg.pipeline_parallel_size > 1,
                 "sequence_parallel=True": cfg.sequence_parallel and cfg.tensor_parallel_size > 1,
                 "check_finite=True": cfg.check_finite,
-                f"the attention part {getattr(parts.attention, '__qualname__', parts.attention)!r} (it does not "
-                "declare AttendsDecodesTogether)": not attends_padded(parts)}
+                f"attention {_name(parts.attention)} with attend {_name(parts.attend)} (they do not say they "
+                "take a step at fixed shapes: Attention.takes_padded_decodes)": not attends_padded(parts)}
     reasons = [why for why, blocks in blockers.items() if blocks]
     if cfg.static_decode is None:
         return torch.device(device).type == "cuda" and not cfg.enforce_eager and not reasons
@@ -222,10 +222,13 @@ def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str) -> bool:
 
 
 def attends_padded(parts: Parts) -> bool:
-    """Whether the attention can take a decode step at fixed shapes: tplab's ``Attention`` (or a subclass)
-    with an ``attend`` that attends all decodes of a step together."""
+    """Whether the attention part runs a decode step at fixed shapes with the ``attend`` part (it says so)."""
     return (isinstance(parts.attention, type) and issubclass(parts.attention, Attention)
-            and isinstance(parts.attend, AttendsDecodesTogether))
+            and parts.attention.takes_padded_decodes(parts.attend))
+
+
+def _name(part) -> str:
+    return getattr(part, "__qualname__", None) or repr(part)    # a class or function by name, else its repr
 
 
 def _kernels_here(parts: Parts, device, dtype, hf) -> Parts:

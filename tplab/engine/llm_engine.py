@@ -241,6 +241,7 @@ class LLMEngine:
                 "peak_kv_blocks_used": total("peak_blocks_used", bm), "num_kv_blocks": total("num_blocks", bm),
                 "kv_blocks_in_use": total("num_used_blocks", bm), "block_size": self.cfg.block_size,
                 "kv_cache_bytes": self.runner.kv_cache_bytes(), "num_steps": self.num_steps,
+                "static_decode_steps": 0 if self.runner.static is None else self.runner.static.num_steps,
                 "compiled_forwards": getattr(self.model.forward, "num_compiled", 0)}   # engine.compiled
 
     def timeline(self) -> list[dict]:

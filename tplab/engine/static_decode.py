@@ -11,23 +11,10 @@ replays must have fixed shapes and read its inputs from tensors that never move:
 - attention reads the padded block tables under a mask of each row's length (``PaddedDecode``).
 On a CPU the same step runs eagerly, so the code a graph captures is held to HF's tokens on every machine.
 """
-from dataclasses import dataclass
-
 import torch
 
+from tplab.layers.decode_blocks import PaddedDecode
 from tplab.layers.metadata import AttentionMetadata, check_positions
-
-
-@dataclass(frozen=True)
-class PaddedDecode:
-    """A decode step at fixed shapes, for ``attend_decodes``: row b's keys are the first ``context_lens[b]``
-    slots of its blocks ``block_tables[b]``; every row is one decode query."""
-    block_tables: torch.Tensor    # (Bp, W) long: each row's blocks, padded to W with blocks it does not read
-    context_lens: torch.Tensor    # (Bp,) long: each row's keys (cached + its new one), at least 1
-
-    @property
-    def seqs(self) -> range:
-        return range(self.block_tables.shape[0])      # every row of the step is a decode
 
 
 def buckets(largest: int) -> list[int]:
@@ -61,7 +48,7 @@ class StaticDecode:
         self.use_graphs = graphs
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None                   # one memory pool shared by every graph
-        self.num_replays = 0
+        self.num_steps = self.num_replays = 0      # steps run here; of them, replayed as graphs
 
     def fits(self, seqs) -> bool:
         """Whether this step is all decodes, of at most the largest bucket, within the widest table."""
@@ -73,6 +60,7 @@ class StaticDecode:
         n = bucket_of(len(seqs), self.batch_sizes)
         w = bucket_of(max(len(s.block_table) for s in seqs), self.widths)
         self.copy_inputs(seqs, n, w)
+        self.num_steps += 1
         if not self.use_graphs:
             return self.model(self.input_ids[:n], self.kv_caches, self.metadata(n, w))[:len(seqs)]
         if (n, w) not in self.graphs:

@@ -7,19 +7,20 @@ fastest route for each shape of a sequence's step, and every decode token of a s
 - a chunk after cached keys, on CPU: two flash-attention calls merged by their log-sum-exps
   (``_cached_then_causal``), which skip the hidden half of the chunk's square as well;
 - the decode tokens of a step together (``AttendsDecodesTogether``): ``paged_decode`` on CPU, and on a GPU,
-  whose decode step is bound by kernel launches, ``dense_decode`` (``tplab.kernels.paged_decode``).
+  whose decode step is bound by kernel launches, ``dense_decode`` (``tplab.kernels.paged_decode``); a step at
+  fixed shapes (``PaddedDecode``, what a CUDA graph replays) by ``padded_decode``.
 """
 import torch
 import torch.nn.functional as F
 
-from tplab.kernels.paged_decode import dense_decode, one_query_attention, paged_decode
-from tplab.layers.attention import AttendsDecodesTogether
-from tplab.layers.decode_blocks import DecodeBlocks
+from tplab.kernels.paged_decode import dense_decode, one_query_attention, padded_decode, paged_decode
+from tplab.layers.attention import AttendsPaddedDecodes
+from tplab.layers.decode_blocks import DecodeBlocks, PaddedDecode
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)   # absent in old torch
 
 
-class SdpaAttend(AttendsDecodesTogether):
+class SdpaAttend(AttendsPaddedDecodes):
     """``sdpa_attend(q, k, v, visible, scale)``: ``plain_attend``'s contract for one sequence (q ``(H, Lq, D)``;
     k, v ``(H_kv, Lk, D)`` -> ``(H, Lq, D)``), where ``visible`` is ``causal_visible(Lq, Lk)``: the routes
     above rely on that causal shape, so an ``attend`` with another mask must not hand it here. As
@@ -40,6 +41,8 @@ class SdpaAttend(AttendsDecodesTogether):
     def attend_step(self, layer, q, kv_cache, meta):
         """Every decode token at once (``attend_decodes``), then each other sequence alone (``layer.attend_each``)."""
         dec = meta.decode
+        if isinstance(dec, PaddedDecode):                           # a step at fixed shapes: all padded decodes
+            return padded_decode(q, *kv_cache, dec, layer.scale)
         if dec is None:
             return layer.attend_each(q, kv_cache, meta, range(meta.num_seqs), torch.empty_like(q))
         if len(dec.seqs) == q.shape[0]:                             # every token a decode: no gather

@@ -14,7 +14,7 @@ query heads per KV head, D head_dim.
 import torch
 import torch.nn.functional as F
 
-from tplab.layers.decode_blocks import DecodeBlocks
+from tplab.layers.decode_blocks import DecodeBlocks, PaddedDecode
 
 
 def score_mask(dec: DecodeBlocks, num_heads: int, num_kv_heads: int) -> torch.Tensor:
@@ -97,6 +97,22 @@ def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         v = v_cache.index_select(0, table).view(bd, -1, h_kv, d).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.view(bd, h_kv, h // h_kv, d), k, v, attn_mask=bias, scale=scale)
     return o.reshape(bd, h, d)         # a GPU kernel may return (Bd, G, H_kv, D) in memory: reshape, not view
+
+
+def padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: PaddedDecode,
+                  scale: float) -> torch.Tensor:
+    """A decode step at fixed shapes (the step a CUDA graph replays): q ``(Bp, H, D)``, each row against the
+    blocks of its padded table, ``(Bp, W * bs)`` keys, under a mask of its length made from the lengths'
+    tensor (no host value is read, so the same kernels serve every step of the bucket) -> ``(Bp, H, D)``."""
+    bp, h, d = q.shape
+    h_kv = k_cache.shape[2]
+    k = k_cache.index_select(0, dec.block_tables.reshape(-1)).view(bp, -1, h_kv, d).transpose(1, 2)   # (Bp, H_kv, L, D)
+    v = v_cache.index_select(0, dec.block_tables.reshape(-1)).view(bp, -1, h_kv, d).transpose(1, 2)
+    hidden = torch.arange(k.shape[2], device=q.device) >= dec.context_lens[:, None]                  # (Bp, L)
+    bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+    o = F.scaled_dot_product_attention(q.view(bp, h_kv, h // h_kv, d), k, v, attn_mask=bias[:, None, None, :],
+                                       scale=scale)
+    return o.reshape(bp, h, d)
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

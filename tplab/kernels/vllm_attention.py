@@ -41,6 +41,10 @@ class VllmCpuAttention(Attention):
             return f"it has no kernel for head_dim {head_dim} (it has {', '.join(map(str, HEAD_DIMS))})"
         return cannot_run_here(device, dtype)
 
+    @classmethod
+    def takes_padded_decodes(cls, attend) -> bool:
+        return False                       # the kernel reads the step's lists, not a step at fixed shapes
+
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
                        head_dim: int) -> tuple[int, ...]:

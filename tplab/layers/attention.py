@@ -46,6 +46,11 @@ class AttendsDecodesTogether:
         raise NotImplementedError
 
 
+class AttendsPaddedDecodes(AttendsDecodesTogether):
+    """An ``attend`` whose ``attend_step`` also takes a decode step at fixed shapes: ``meta.decode`` a
+    ``PaddedDecode``, every row one decode query (the step a CUDA graph replays, ``tplab.engine.static_decode``)."""
+
+
 class Attention(nn.Module):
     """One layer's attention on one rank: stores this step's K/V in the paged cache, then attends
     from each sequence's new queries to its keys.
@@ -78,6 +83,13 @@ class Attention(nn.Module):
         None. Where it cannot, the engine builds this class, tplab's, instead and says why (``EngineConfig``,
         before any rank starts). tplab's runs everywhere; a part tied to a kernel says where it does not."""
         return None
+
+    @classmethod
+    def takes_padded_decodes(cls, attend) -> bool:
+        """Whether this attention, with ``attend``, runs a decode step at fixed shapes (``PaddedDecode``):
+        ``forward`` hands the step to ``attend``, so it can when ``attend`` says so. A part whose ``forward``
+        does not use its ``attend`` says for itself."""
+        return isinstance(attend, AttendsPaddedDecodes)
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,

@@ -50,3 +50,15 @@ def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: 
                         torch.repeat_interleave(torch.arange(len(seqs), device=device), tensor(counts)),
                         tensor(counts), lens, hidden[:, None, None, :], tensor(padded),
                         torch.arange(width * block_size, device=device) >= tensor(lens)[:, None])
+
+
+@dataclass(frozen=True)
+class PaddedDecode:
+    """A decode step at fixed shapes, for ``attend_decodes``: row b's keys are the first ``context_lens[b]``
+    slots of its blocks ``block_tables[b]``; every row is one decode query."""
+    block_tables: torch.Tensor    # (Bp, W) long: each row's blocks, padded to W with blocks it does not read
+    context_lens: torch.Tensor    # (Bp,) long: each row's keys (cached + its new one), at least 1
+
+    @property
+    def seqs(self) -> range:
+        return range(self.block_tables.shape[0])      # every row of the step is a decode

@@ -1,0 +1,77 @@
+"""Decode steps at fixed shapes (``static_decode=True``): padded to a bucket, inputs in buffers at fixed
+addresses, attention over padded block tables. The step a CUDA graph captures, run eagerly here: HF's
+tokens at TP 1 and 2 with continuous batching, chunked prefill and preemption in the same run; the
+stale-buffer pitfall's fingerprint; and the settings that cannot run it refused with what to change."""
+import pytest
+
+from conftest import hf_greedy
+from tplab import LLM, SamplingParams
+from tplab.engine.static_decode import bucket_of, buckets
+
+MAX_TOKENS = 9
+PROMPTS = [list(range(1, 40)), [3, 17, 42], [250, 7] * 11, [9], list(range(100, 117)), [5, 6, 7, 8, 9]]
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, hf_model):
+    model = hf_model(checkpoint("gqa"))
+    return [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_buckets():
+    assert buckets(1) == [1] and buckets(6) == [1, 2, 4, 6] and buckets(16) == [1, 2, 4, 8, 16]
+    assert buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert [bucket_of(n, buckets(40)) for n in (1, 3, 5, 9, 17, 33, 40)] == [1, 4, 8, 16, 32, 40, 40]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_static_decode_matches_hf_with_batching_chunks_and_preemption(checkpoint, reference, tp):
+    with LLM(checkpoint("gqa"), tensor_parallel_size=tp, static_decode=True, max_num_seqs=5, block_size=8,
+             num_kv_blocks=14, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        stats = llm.stats()
+    assert stats["num_preemptions"] > 0, stats                    # a sequence was preempted and came back
+    assert stats["static_decode_steps"] > 0, stats                # decode steps ran at fixed shapes
+    for out, ref, prompt in zip(outs, reference, PROMPTS):
+        assert out.token_ids == ref[0], f"tokens differ from HF for a prompt of {len(prompt)} tokens"
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+
+
+def test_only_decode_steps_run_padded(checkpoint):
+    """Steps with a prompt chunk run at their own shapes; a step of 3 decodes runs in the bucket of 4."""
+    with LLM(checkpoint("gqa"), static_decode=True, max_num_seqs=3) as llm:
+        static = llm._worker.engine.runner.static
+        buckets_run = []
+        forward = static.forward
+        static.forward = lambda seqs: buckets_run.append(len(seqs)) or forward(seqs)
+        llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert buckets_run == [3, 3, 3], buckets_run                  # 3 decode steps after the prefill step
+
+
+def test_stale_buffers_fingerprint(checkpoint, reference):
+    """A replay whose positions and slots were not refreshed: the prefill's token and the first decode step's
+    are HF's (their values were in the buffers when the bucket first ran), the second decode step's are not."""
+    with LLM(checkpoint("gqa"), static_decode=True, bugs=["graph_stale_inputs"]) as llm:
+        outs = llm.generate(PROMPTS[:1], GREEDY)
+    tokens, want = outs[0].token_ids, reference[0][0]
+    assert tokens[:2] == want[:2], (tokens, want)
+    assert tokens[2:] != want[2:], "the stale positions and slots left every token unchanged"
+
+
+@pytest.mark.parametrize("settings, names", [
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
+    (dict(check_finite=True), "check_finite"),
+    (dict(bugs=["mask_mul_inf"]), "mask_mul_inf_attend"),
+])
+def test_static_decode_refused_where_it_cannot_run(checkpoint, settings, names):
+    with pytest.raises(ValueError, match=f"static_decode=True cannot run with .*{names}"):
+        LLM(checkpoint("gqa"), static_decode=True, device="cpu", **settings)
+
+
+def test_cpu_defaults_to_steps_at_their_own_shapes(checkpoint):
+    with LLM(checkpoint("gqa"), device="cpu") as llm:
+        assert not llm.config.static_decode and not llm.config.cuda_graphs
+        assert llm._worker.engine.runner.static is None
+    with pytest.raises(ValueError, match="enforce_eager must be True or False"):
+        LLM(checkpoint("gqa"), device="cpu", enforce_eager="yes")
