@@ -11,6 +11,8 @@ replays must have fixed shapes and read its inputs from tensors that never move:
 - attention reads the padded block tables under a mask of each row's length (``PaddedDecode``).
 On a CPU the same step runs eagerly, so the code a graph captures is held to HF's tokens on every machine.
 """
+import sys
+
 import torch
 
 from tplab.layers.decode_blocks import PaddedDecode
@@ -64,7 +66,12 @@ class StaticDecode:
         if not self.use_graphs:
             return self.model(self.input_ids[:n], self.kv_caches, self.metadata(n, w))[:len(seqs)]
         if (n, w) not in self.graphs:
-            self.graphs[(n, w)] = self.capture(n, w)
+            try:
+                self.graphs[(n, w)] = self.capture(n, w)
+            except RuntimeError as e:              # a kernel that cannot be captured: eager from now on
+                self.use_graphs = False
+                print(f"tplab: decode steps run eagerly: capturing a CUDA graph failed ({e})"[:400], file=sys.stderr)
+                return self.model(self.input_ids[:n], self.kv_caches, self.metadata(n, w))[:len(seqs)]
         graph, hidden = self.graphs[(n, w)]
         graph.replay()
         self.num_replays += 1
