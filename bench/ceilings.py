@@ -8,7 +8,7 @@ below their targets, each measured side by side with what it bounds, in one run:
    tplab packs for it (``Gemm.packed``), oneDNN on the plain layout, ``F.linear`` (MKL where torch is built
    with it) and, at one row, ``torch.mv``; at 1, 16 and 512 rows. Beside each, GB/s and the fraction of the
    read bandwidth that the decode rows' bound uses (``x.sum()`` over 1 GiB, measured in the same rounds).
-   The weights are allocated plain first, then packed: on the Xeon VM of the README weights allocated
+   The weights are allocated plain first, then packed: on the Xeon VM of docs/performance.md weights allocated
    later in a process streamed up to ~15% faster (bench/README.md, "Build order"), a bias that favours
    the packed layout here.
 2. **shapes**: each of a layer's four matrix shapes alone (every layer's copy of it), fp32, at 1, 2, 4 and 16 rows:

@@ -6,7 +6,7 @@ compiling costs: a fresh process starts the engine and generates 2 tokens (a pre
 the two graphs), eager, compiled with an empty inductor cache, and compiled again with that cache.
 
 The two engines are built eager first; ``TPLAB_BENCH_REVERSE_BUILD=1`` builds the compiled one first. On the
-Xeon VM of the README the engine built second decoded 5-14% faster, either engine: run both orders
+Xeon VM of docs/performance.md the engine built second decoded 5-14% faster, either engine: run both orders
 (bench/README.md, "Build order").
 """
 import json
