@@ -2,7 +2,7 @@
 
     from tplab import launch, LLM, SamplingParams, Parts, models
 
-Two sides. The engine (``distributed``, ``layers``, ``models``, ``engine``) serves a model; the
+Two sides. The engine (``distributed``, ``layers``, ``kernels``, ``models``, ``engine``) serves a model; the
 teaching side (``TEACHING``: the pitfalls, the checkers, HF's activations, plots) is what the
 notebooks add on top. The engine never imports the teaching side, and ``import tplab`` loads none of
 it: ``tplab.exercises`` and the others are imported on first use, so a rank process, which imports
