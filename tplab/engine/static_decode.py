@@ -63,15 +63,14 @@ class StaticDecode:
         w = bucket_of(max(len(s.block_table) for s in seqs), self.widths)
         self.copy_inputs(seqs, n, w)
         self.num_steps += 1
-        if not self.use_graphs:
-            return self.model(self.input_ids[:n], self.kv_caches, self.metadata(n, w))[:len(seqs)]
-        if (n, w) not in self.graphs:
+        if self.use_graphs and (n, w) not in self.graphs:
             try:
                 self.graphs[(n, w)] = self.capture(n, w)
             except RuntimeError as e:              # a kernel that cannot be captured: eager from now on
                 self.use_graphs = False
                 print(f"tplab: decode steps run eagerly: capturing a CUDA graph failed ({e})"[:400], file=sys.stderr)
-                return self.model(self.input_ids[:n], self.kv_caches, self.metadata(n, w))[:len(seqs)]
+        if not self.use_graphs:
+            return self.model(self.input_ids[:n], self.kv_caches, self.metadata(n, w))[:len(seqs)]
         graph, hidden = self.graphs[(n, w)]
         graph.replay()
         self.num_replays += 1
