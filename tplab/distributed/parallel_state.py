@@ -1,20 +1,11 @@
-"""Tensor-parallel bookkeeping: who am I, how many of us, and the collectives TP needs (all-reduce and
-all-gather; reduce-scatter for sequence parallelism, ``tplab.models.sequence_parallel``); and the
-point-to-point send and receive between pipeline stages (``tplab.models.pipeline``).
+"""Tensor-parallel bookkeeping: who am I, how many of us, and the collectives TP needs (all-reduce,
+all-gather; reduce-scatter for sequence parallelism), and send/recv between pipeline stages.
 
-Layers take ``tp_rank``/``tp_size`` explicitly so that one process can build every
-rank's shard (tests and notebooks do this). When they are left as ``None`` they come
-from this stage's TP group (the default process group without pipeline parallelism), as
-they would inside a rank started by ``tplab.launch`` or ``torchrun``.
-
-How the collectives travel is decided once per process group, by ``init_tp_comm()``
-(the world is one TP group: a rank started by ``tplab.launch`` calls it as it joins the group,
-an engine under ``torchrun`` as it starts) or ``init_model_parallel(t, p)`` (p stages of t
-TP ranks, one group and one shared-memory segment per stage). Without either they go through
-the process group itself.
-
-``count_collectives()`` records the collectives a block of code runs (op, shape, path, time);
-notebook 00 counts one decode step's with it.
+Layers take ``tp_rank``/``tp_size`` explicitly so that one process can build every rank's shard (tests and
+notebooks do); left as ``None`` they come from this stage's TP group, as inside a rank started by
+``tplab.launch`` or ``torchrun``. How collectives travel (shared memory between CPU ranks of one host, else
+the process group) is decided once per group by ``init_tp_comm()`` or ``init_model_parallel(t, p)``.
+``count_collectives()`` records the collectives a block of code runs (notebook 00 counts a decode step's).
 """
 import atexit
 import contextlib

@@ -1,26 +1,13 @@
 """A step under pipeline parallelism (``pipeline_parallel_size`` p > 1): p batches in flight.
 
-Why p batches: a sequence's next step needs the token its last step sampled, and that token comes out of
-the last stage p stage-steps (ticks) after the first stage started the step. With one batch, each stage
-would work one tick in p and wait the others. With p independent batches (vLLM's virtual engines: p
-schedulers, each with its own requests and its own share of the KV blocks) the first stage starts batch
-v + 1 while batch v moves down the pipeline, and in steady state every stage is busy every tick: at tick k
-stage s runs the batch of virtual engine (k - s) mod p. Only the first p - 1 ticks (filling) and the last
-ones (draining), and ticks whose virtual engine has nothing left, are bubbles.
-
-Every rank runs all p schedulers on the same requests (SPMD), so every rank knows every batch without
-being told. Each tick is one ``LLMEngine.step``:
-1. virtual engine k mod p, whose last batch was postprocessed at the end of the previous tick, schedules
-   its next batch (on every rank, alike);
-2. stage s takes the batch of virtual engine (k - s) mod p: receives the previous stage's ``(hidden,
-   residual)`` (s > 0), runs its layers, and sends its pair to the next stage (s < p - 1) or samples;
-3. the last stage's sampled tokens and logprobs are broadcast to every rank, and every rank's scheduler of
-   that virtual engine postprocesses the batch alike.
-
-Why a share of the blocks per virtual engine rather than one pool (vLLM's V0 split them the same way):
-the scheduler's guarantees are per scheduler. A prefix-cache hit reads blocks that an earlier prompt
-registered when they were allocated, computed by the end of that prompt's last chunk; with one pool,
-another virtual engine could hit a block whose chunk its own scheduler has not scheduled yet.
+A sequence's next step needs the token its last step sampled, which leaves the last stage p ticks after the
+first stage started. So p independent batches (vLLM's virtual engines: p schedulers, each with its own
+requests and its own share of the KV blocks) keep every stage busy: at tick k stage s runs virtual engine
+(k - s) mod p's batch. Every rank runs all p schedulers alike (SPMD). One tick is one ``LLMEngine.step``:
+engine k mod p schedules; stage s receives the previous stage's ``(hidden, residual)``, runs its layers and
+sends its pair on (or samples, on the last stage); the last stage's tokens are broadcast and every rank
+postprocesses that batch. A share of blocks per engine, not one pool: a prefix-cache hit must only find
+blocks whose chunk its own scheduler has already scheduled.
 """
 import time
 from dataclasses import dataclass

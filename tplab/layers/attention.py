@@ -1,19 +1,13 @@
 """Causal self-attention over a KV cache addressed by slots, shared by prefill and decode.
 
-A step lays the new tokens of B sequences one after another in a flat batch of T tokens
-(a whole prompt, a chunk of one, or one decode token each). The KV cache of a layer is
-``(num_blocks, block_size, H_kv, D)`` for K and for V; token p of a sequence lives in slot
-``block_table[p // block_size] * block_size + p % block_size`` of the flattened
-``(num_blocks * block_size, H_kv, D)`` cache.
+A step lays the new tokens of B sequences one after another in a flat batch of T tokens (a whole prompt,
+a chunk of one, or one decode token each). A layer's K (and V) cache is ``(num_blocks, block_size, H_kv,
+D)``; token p of a sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+Each sequence's ``Lq`` new queries attend to exactly its ``Lk`` keys (cached + new) under an ``(Lq, Lk)``
+causal mask: nothing is padded to the longest sequence of the step.
 
-Attention runs sequence by sequence: the ``Lq`` new queries of one sequence against exactly
-its ``Lk`` keys (cached + new), under an ``(Lq, Lk)`` causal mask. Nothing is padded to the
-longest sequence of the step, so no score or mask tensor is larger than one sequence's
-chunk needs, and a decode step reads only the slots its sequences hold.
-
-Shape legend: T new tokens in the step, B sequences, Lq new tokens of one sequence, Lk its
-keys (cached + new, ``Lk >= Lq``), N the keys of all B sequences, H query heads and H_kv KV
-heads on this rank, D head_dim.
+Shapes: T new tokens, B sequences, Lq / Lk one sequence's new tokens / keys, H / H_kv query / KV heads on
+this rank, D head_dim.
 """
 import torch
 import torch.nn.functional as F
