@@ -1,12 +1,18 @@
 """Running a learner's parts inside the engine for ``check_part``: HF's answers on the shipped model
 (computed once), the engine config with the parts checked for a missing ``return``, one prefill with
 hooks on every sublayer (in this process or in a rank), and greedy serving through ``Worker``s in
-ranks kept from one check to the next."""
+ranks kept from one check to the next. Those ranks write what C++ prints (gloo's reason for aborting a
+rank) to a file each, so that a rank that dies is reported with it, not only with its signal."""
+import atexit
 import functools
+import os
+import re
+import tempfile
+import weakref
 
 import torch
 
-from tplab.distributed.launcher import RankGroup
+from tplab.distributed.launcher import RankError, RankGroup
 from tplab.engine.config import EngineConfig
 from tplab.engine.probe import load_model, probe
 from tplab.engine.sampling import SamplingParams
@@ -76,6 +82,7 @@ def engine_acts(cfg, prompt):
 
 
 _groups: dict[tuple[str, int], RankGroup] = {}
+_stderr: "weakref.WeakKeyDictionary[RankGroup, list[str]]" = weakref.WeakKeyDictionary()
 
 
 def kept_ranks(tp: int, timeout: float, purpose: str = "tp") -> RankGroup:
@@ -85,7 +92,43 @@ def kept_ranks(tp: int, timeout: float, purpose: str = "tp") -> RankGroup:
     group = _groups.get((purpose, tp))
     if group is None or group.closed:
         group = _groups[purpose, tp] = RankGroup(tp, backend="gloo", timeout=timeout)
+        paths = [tempfile.mkstemp(prefix=f"tplab-rank{r}-", suffix=".stderr") for r in range(tp)]
+        for fd, path in paths:
+            os.close(fd)
+            atexit.register(_remove, path)
+        _stderr[group] = [path for _, path in paths]
+        group.run(_stderr_to, (_stderr[group],))
     return group
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _stderr_to(paths: list[str]) -> None:
+    """In a rank: what C++ writes to stderr (file descriptor 2) goes to this rank's file from now on."""
+    import torch.distributed as dist
+    fd = os.open(paths[dist.get_rank()], os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def aborted_because(error, group) -> str | None:
+    """For a rank of ``group`` that died (a signal, no Python traceback of its own): what C++ said as it aborted
+    it (gloo's ``what():``), or None."""
+    paths = _stderr.get(group) if group is not None else None
+    if not isinstance(error, RankError) or not paths or not str(error).startswith(f"rank {error.rank} died"):
+        return None
+    try:
+        with open(paths[error.rank], errors="replace") as f:
+            text = f.read()[-20000:]
+    except (OSError, IndexError):
+        return None
+    found = re.findall(r"what\(\):\s*(.+)", text) or re.findall(r"(terminate called.+)", text)
+    return found[-1].strip() if found else None
 
 
 def close_kept_ranks() -> None:

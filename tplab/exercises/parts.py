@@ -18,6 +18,7 @@ import linecache
 import re
 import traceback
 
+import cloudpickle
 import torch
 
 from tplab.distributed.launcher import RankError
@@ -25,7 +26,8 @@ from tplab.engine.parts import FIELDS
 from tplab.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
                                       own_code, sp_region_probe, watchdog)
 from tplab.exercises.layer_diagnoses import DIAGNOSE
-from tplab.exercises.in_engine import NEW_TOKENS, engine_acts, engine_config, kept_ranks, reference, serve
+from tplab.exercises.in_engine import (NEW_TOKENS, aborted_because, engine_acts, engine_config, kept_ranks, reference,
+                                      serve)
 from tplab.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
 from tplab.exercises.watchdog import DidNotReturn, call_bounded
 
@@ -46,6 +48,8 @@ HINTS = [  # (the part it applies to, or None for any; words in an error; what t
                        "and drop those rows after the all-gather"),
     ("pipeline_stage", "Pair is not connected", "a rank sent to (or received from) itself: a stage's peer one stage "
                         "away is world rank (pp_rank +/- 1) * tp_size + tp_rank, the same TP rank in that stage"),
+    (None, "Received data size doesn't match", "a recv (or a collective) was given a buffer of another size than "
+           "the message sent to it, e.g. another dtype: make it the shape and dtype of what is sent"),
     (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
            "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
            "all_gather(x, tp_size), which do"),
@@ -77,8 +81,8 @@ def learner_line(impl, text: str) -> str:
     return f" in your {function}, line {lineno}" + (f": `{code}`" if code else "")
 
 
-def _exception_result(name, impl, error, where) -> ExerciseResult:
-    """The result for an exception raised by the learner's part (here, or in a rank)."""
+def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
+    """The result for an exception raised by the learner's part (here, or in a rank of ``group``)."""
     if is_stub_error(impl, error):
         return ExerciseResult(name, None, NOT_DONE)
     if isinstance(error, DidNotReturn):
@@ -88,6 +92,10 @@ def _exception_result(name, impl, error, where) -> ExerciseResult:
         return ExerciseResult(name, False, f"{where}, {stuck}")
     if isinstance(error, ForgotReturn):
         return ExerciseResult(name, False, f"{where}: {error}")
+    aborted = aborted_because(error, group)
+    if aborted:
+        hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in aborted)
+        return ExerciseResult(name, False, f"{where}, rank {error.rank} was aborted by gloo: {aborted}{hint}")
     if isinstance(error, RankError):
         last = error.remote_traceback.strip().splitlines()[-1] if error.remote_traceback else str(error)
         if last.startswith("NotImplementedError") and learner_line(impl, error.remote_traceback):
@@ -127,7 +135,8 @@ def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None
     if name in RANK_PROBES:                           # needs real ranks: at TP > 1 only
         if group is None:
             return None
-        results = group.run(call_bounded, (bound, RANK_PROBES[name].run, impl), timeout=timeout)
+        blob = cloudpickle.dumps(impl)                # unpickled in the ranks inside the probe's watch
+        results = group.run(call_bounded, (bound, RANK_PROBES[name].run, blob), timeout=timeout)
         ok, why = RANK_PROBES[name].diagnose(results, tp)
         return None if ok else f"the part alone: {why}"
     if name not in SPECS:
@@ -145,7 +154,7 @@ def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None
 def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool = True) -> ExerciseResult:
     """Stages 1 (when ``unit``) and 2 of the module docstring for ``parts`` (``{field: replacement}``) at TP 1
     and ``tp``. ``impl`` is the learner's class or function (or a list of them), to find their lines."""
-    ref, where, bound = reference(), "at TP 1", watchdog.bound_for(timeout)
+    ref, where, bound, group = reference(), "at TP 1", watchdog.bound_for(timeout), None
     try:
         why = _alone(name, impl, 1, timeout=timeout) if unit else None
         if why:
@@ -159,7 +168,7 @@ def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool
                          timeout=timeout)
         tokens, want, stats = serve(group, parts, tp, timeout)
     except (Exception, DidNotReturn) as e:  # the learner's code raised or looped, here or in a rank; ranks hung
-        return _exception_result(name, impl, e, where)
+        return _exception_result(name, impl, e, where, group)
     return _verdict(name, parts, tp, [acts1], acts, tokens, want, stats)
 
 

@@ -1,9 +1,13 @@
 """A learner's ``sp_norm_region`` alone, in real ranks: known partial sums (different on every rank), a known
 residual and a known RMSNorm, for T tokens that the ranks divide and that they do not (a lone decode token
-included); every method's output against the right one and against the usual mistakes."""
+included); every method's output against the right one and against the usual mistakes. Then the idea, not only
+the numbers: each method's collectives (``dist_watch``) against SP's own, a reduce-scatter of the padded tokens
+in ``add`` and an all-gather in ``norm_gather``, so an all-reduce that keeps this rank's rows is named, with the
+bytes it sends against a reduce-scatter's."""
 import torch
 import torch.nn.functional as F
 
+from tplab.exercises import dist_watch
 from tplab.layers.norm import RMSNorm
 
 E = 8                                   # hidden size: small, divisible by every TP size the check runs at
@@ -36,21 +40,29 @@ def rows(full: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
     return F.pad(full, (0, 0, 0, per_rank * tp_size - full.shape[0]))[rank * per_rank:(rank + 1) * per_rank]
 
 
-def run(impl) -> list[dict]:
-    """In a rank: each method of ``impl`` on each T (inputs cloned: a method may work in place)."""
+def run(blob: bytes) -> list[dict]:
+    """In a rank: each method of the part (``cloudpickle.dumps``'d) on each T, and the collectives each ran
+    (inputs cloned: a method may work in place)."""
     import torch.distributed as dist
     rank, tp_size = dist.get_rank(), dist.get_world_size()
     out = []
-    for num_tokens in TOKENS:
-        partials, residual, weight = inputs(num_tokens, tp_size)
-        mine = rows(residual, rank, tp_size)                         # this rank's tokens of the residual
-        norm = CountingNorm(weight)
-        with torch.inference_mode():
-            region = impl(num_tokens, rank, tp_size)
-            got = {"local": region.local(residual.clone()), "add_first": region.add(partials[rank].clone()),
-                   "add": region.add(partials[rank].clone(), mine.clone()),
-                   "norm_gather": region.norm_gather(mine.clone(), norm)}
-        out.append({k: None if v is None else v.detach().float() for k, v in got.items()} | {"norm_rows": norm.rows})
+    with dist_watch.Collectives() as watch:
+        impl = dist_watch.load(blob)
+        for num_tokens in TOKENS:
+            partials, residual, weight = inputs(num_tokens, tp_size)
+            mine = rows(residual, rank, tp_size)                     # this rank's tokens of the residual
+            norm, got, ops = CountingNorm(weight), {}, {}
+            calls = {"local": lambda r: r.local(residual.clone()), "add_first": lambda r: r.add(partials[rank].clone()),
+                     "add": lambda r: r.add(partials[rank].clone(), mine.clone()),
+                     "norm_gather": lambda r: r.norm_gather(mine.clone(), norm)}
+            with torch.inference_mode():
+                region = impl(num_tokens, rank, tp_size)
+                for name, call in calls.items():
+                    with watch.block() as seen:
+                        got[name] = call(region)
+                    ops[name] = sorted(seen)
+            out.append({k: None if v is None else v.detach().float() for k, v in got.items()}
+                       | {"norm_rows": norm.rows, "ops": ops})
     return out
 
 
@@ -114,8 +126,43 @@ def _check_norm_gather(got, partials, residual, weight, rank, tp, num_tokens) ->
     return None
 
 
+def _collective_problem(results, tp) -> str | None:
+    """Once the numbers are right: whether each method ran SP's one collective on SP's bytes, largest T first."""
+    for i in sorted(range(len(TOKENS)), key=lambda i: -TOKENS[i]):
+        per_rank = -(-TOKENS[i] // tp)
+        want = {"local": [], "add_first": [("reduce_scatter", tp * per_rank * E * 4)],
+                "add": [("reduce_scatter", tp * per_rank * E * 4)], "norm_gather": [("all_gather", per_rank * E * 4)]}
+        for rank, per_case in enumerate(results):
+            for name, right in want.items():
+                if per_case[i]["ops"][name] != right:
+                    return _wrong_collectives(name, per_case[i]["ops"][name], right, rank, tp, TOKENS[i])
+    return None
+
+
+ALL_REDUCE = ("an all-reduce leaves every token's sum on every rank, and keeping this rank's rows throws (t - 1) / t "
+              "of it away: that is plain TP's all-reduce, and with norm_gather's all-gather after it each region "
+              "moves 1.5x plain TP's bytes instead of the same")
+ADVICE = {"add": "Reduce-scatter the padded partial sums over tokens, and nothing more: "
+                 "reduce_scatter(self.pad(partial), tp_size, dim=0)",
+          "norm_gather": "Norm this rank's tokens and all-gather them over tokens: all_gather(norm(x), tp_size, dim=0)",
+          "local": "Every rank already holds the whole tensor: narrow it to this rank's rows, with no communication"}
+
+
+def _wrong_collectives(name, ops, right, rank, tp, num_tokens) -> str:
+    """What a method that gives the right numbers with the wrong collectives did, with the bytes it sends."""
+    call = {"add_first": "add(partial)", "add": "add(partial, residual)"}.get(name, name)
+    ran = " + ".join(f"{op} of {n} B" for op, n in ops) or "no collective"
+    should = " + ".join(f"one {op} of {n} B" for op, n in right) or "no collective"
+    mine, sp = (sum(dist_watch.sent(op, n, tp) for op, n in x) for x in (ops, right))
+    return (f"rank {rank}, T = {num_tokens} at TP {tp}: {call} gives the right numbers, but it ran {ran} (put in) "
+            f"where sequence parallelism runs {should}. Counted as notebook 07 counts a ring, it sends {mine:g} B "
+            f"from each rank, where SP sends {sp:g} B: " + f"{ALL_REDUCE}. " * any(op == "all_reduce" for op, _ in ops)
+            + ADVICE[name.removesuffix("_first")])
+
+
 def diagnose(results: list[list[dict]], tp: int) -> tuple[bool, str]:
-    """``results``: ``run``'s list on every rank. (ok, what is wrong with the first wrong output)."""
+    """``results``: ``run``'s list on every rank. (ok, what is wrong with the first wrong output, or the first
+    method whose collectives are not SP's)."""
     for i, num_tokens in enumerate(TOKENS):
         partials, residual, weight = inputs(num_tokens, tp)
         for rank, per_case in enumerate(results):
@@ -129,4 +176,8 @@ def diagnose(results: list[list[dict]], tp: int) -> tuple[bool, str]:
                 _check_norm_gather(got, partials, residual, weight, rank, tp, num_tokens)
             if why:
                 return False, why
-    return True, f"add, norm_gather and local are right on every rank for T in {TOKENS} at TP {tp}"
+    why = _collective_problem(results, tp)
+    if why:
+        return False, why
+    return True, (f"add, norm_gather and local are right on every rank for T in {TOKENS} at TP {tp}, with one "
+                  "reduce-scatter per add and one all-gather per norm_gather")
