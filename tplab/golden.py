@@ -45,12 +45,13 @@ def require_float32_matmuls() -> None:
 
 
 def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor]:
-    """HF ``Qwen2ForCausalLM``'s activations (fp32 on CPU, HF's default attention) for one prompt.
+    """HF's own model's activations (fp32 on CPU, HF's default attention) for one prompt: ``Qwen2ForCausalLM``,
+    or the class for the checkpoint's ``model_type`` (Qwen3, Qwen2-MoE, Qwen3-MoE: ``AutoModelForCausalLM``).
     Refused while fp32 matmuls may round (``require_float32_matmuls``)."""
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
     require_float32_matmuls()
     model = model_or_dir if isinstance(model_or_dir, torch.nn.Module) else \
-        Qwen2ForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
+        AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
     names = activation_names(model.config.num_hidden_layers)
     with torch.no_grad(), capture(model, outputs_of=names[:-1]) as (acts, _):
         logits = model(torch.tensor([input_ids])).logits[0]

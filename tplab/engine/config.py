@@ -15,10 +15,11 @@ from tplab.distributed.launcher import pick_backend
 from tplab.engine.parts import Parts, resolve
 from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
-from tplab.layers.linear import ReturnsPartialSums, check_heads_divisible, valid_tp_sizes
+from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.rotary import check_rope_supported
 from tplab.models.loader import checkpoint_files
 from tplab.models.qwen2 import head_dim_of
+from tplab.models.registry import MODELS, check_tp_size, supported
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -37,8 +38,10 @@ def resolve_model(model) -> Path:
     return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
 
 
-def load_qwen2_config(model_dir):
-    """The checkpoint's ``Qwen2Config``, after checking the folder holds a Qwen2 safetensors checkpoint."""
+def load_model_config(model_dir):
+    """The checkpoint's HF config (``Qwen2Config``, ``Qwen3Config``, ``Qwen2MoeConfig`` or ``Qwen3MoeConfig``),
+    after checking the folder holds a safetensors checkpoint of a ``model_type`` tplab serves
+    (``tplab.models.registry``)."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
@@ -47,25 +50,15 @@ def load_qwen2_config(model_dir):
     if not config_file.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json")
     model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type != "qwen2":
-        raise ValueError(f"{config_file} has model_type={model_type!r}; tplab runs Qwen2 checkpoints "
-                         "(model_type 'qwen2', e.g. Qwen2.5-0.5B-Instruct)")
+    if model_type not in MODELS:
+        raise ValueError(f"{config_file} has model_type={model_type!r}; tplab runs Qwen2, Qwen3, Qwen2-MoE and "
+                         f"Qwen3-MoE checkpoints (model_type {supported()}, e.g. Qwen2.5-0.5B-Instruct, Qwen3-0.6B, "
+                         "Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B): pass the folder of one of those")
     config = AutoConfig.from_pretrained(model_dir)
     check_rope_supported(config)
     if getattr(config, "use_sliding_window", False):
         raise NotImplementedError("use_sliding_window=True is not implemented in tplab; set it to false")
     return config
-
-
-def check_tp_size(config, tp_size: int) -> None:
-    """A TP size must split the query heads, the intermediate size, and the KV heads (or replicate them)."""
-    if not isinstance(tp_size, int) or isinstance(tp_size, bool):
-        raise ValueError(f"tensor_parallel_size must be an int, got {tp_size!r}")
-    check_heads_divisible(config.num_attention_heads, config.num_key_value_heads, tp_size)
-    if config.intermediate_size % tp_size:
-        sizes = valid_tp_sizes(config.num_attention_heads, config.num_key_value_heads, config.intermediate_size)
-        raise ValueError(f"tensor_parallel_size={tp_size} does not work: intermediate_size "
-                         f"{config.intermediate_size} is not divisible by {tp_size}. TP sizes that work: {sizes}")
 
 
 def check_pp_size(config, pp_size) -> None:
@@ -110,8 +103,13 @@ def _positive_int(name: str, value) -> None:
 
 def plain_config(hf_config):
     """The checkpoint config's numbers in a plain namespace: what the engine reads, picklable as is, and
-    a rank that receives it needs no transformers import (a second or more of start-up each)."""
-    return hf_config if isinstance(hf_config, SimpleNamespace) else SimpleNamespace(**hf_config.to_dict())
+    a rank that receives it needs no transformers import (a second or more of start-up each). Fields HF
+    keeps under another name (``attribute_map``: Qwen3-MoE's ``num_experts`` is ``num_local_experts``) are
+    there under both."""
+    if isinstance(hf_config, SimpleNamespace):
+        return hf_config
+    aliases = {name: getattr(hf_config, name) for name in getattr(hf_config, "attribute_map", {})}
+    return SimpleNamespace(**hf_config.to_dict(), **aliases)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +139,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
     sequence_parallel: bool = False    # TP > 1: reduce-scatter + all-gather over tokens instead of all-reduce
+    enable_expert_parallel: bool = False  # MoE: each TP rank holds num_experts / t whole experts (vLLM's name)
     # decode steps at fixed shapes (engine.static_decode), replayed as CUDA graphs on a GPU
     enforce_eager: bool = False        # True: no CUDA graphs (vLLM's name)
     static_decode: bool | None = None  # pad decode steps to a bucket; None -> True where CUDA graphs run
@@ -169,8 +168,10 @@ SETTINGS = tuple(f.name for f in fields(EngineConfig) if f.name not in ("model",
 def _resolved(cfg: EngineConfig) -> dict:
     """The values ``cfg``'s raw settings resolve to, checked."""
     model = str(resolve_model(cfg.model))
-    hf = cfg.hf_config or load_qwen2_config(model)
-    check_tp_size(hf, cfg.tensor_parallel_size)
+    hf = cfg.hf_config or load_model_config(model)
+    if not isinstance(cfg.enable_expert_parallel, bool):
+        raise ValueError(f"enable_expert_parallel must be True or False, got {cfg.enable_expert_parallel!r}")
+    check_tp_size(hf, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
     check_pp_size(hf, cfg.pipeline_parallel_size)
     if not isinstance(cfg.seed, int):
         raise ValueError(f"seed must be an int, got {cfg.seed!r}")

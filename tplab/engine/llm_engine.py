@@ -28,6 +28,7 @@ from tplab.layers.attention import kv_cache_shape
 from tplab.kernels.gemm import one_row_keeps_plain
 from tplab.layers.linear_method import process_weights_after_loading
 from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
+from tplab.models.registry import model_class
 
 
 def eos_token_ids(hf_config) -> frozenset[int]:
@@ -37,9 +38,10 @@ def eos_token_ids(hf_config) -> frozenset[int]:
 
 def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: int | None = None,
                 pack: bool = True) -> tuple[Qwen2ForCausalLM, LoadReport]:
-    """This rank's shard of the model, built from ``cfg.parts``, with its weight slices read from the
-    checkpoint, and every linear layer handed its ``linear_method`` (``Parts.gemm``; ``pack=False`` keeps every
-    weight readable); and what the load read. ``tp_rank``/``tp_size`` default to the process group's."""
+    """This rank's shard of the model (the class for the config's ``model_type``: ``tplab.models.registry``),
+    built from ``cfg.parts``, with its weight slices read from the checkpoint, and every linear layer handed its
+    ``linear_method`` (``Parts.gemm``; ``pack=False`` keeps every weight readable); and what the load read.
+    ``tp_rank``/``tp_size`` default to the process group's."""
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
     pp_rank, pp_size = pp_rank_and_size()
     if (tp_size, pp_size) != (cfg.tensor_parallel_size, cfg.pipeline_parallel_size):
@@ -49,7 +51,9 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     torch.set_default_dtype(cfg.dtype)  # parameters are created in the target dtype, on the device
     try:
         with torch.device(device):
-            model = Qwen2ForCausalLM(cfg.hf_config, cfg.parts, tp_rank, tp_size, cfg.sequence_parallel, pp_rank, pp_size)
+            model = model_class(cfg.hf_config.model_type)(cfg.hf_config, cfg.parts, tp_rank, tp_size,
+                                                          cfg.sequence_parallel, pp_rank, pp_size,
+                                                          cfg.enable_expert_parallel)
     finally:
         torch.set_default_dtype(default_dtype)
     # HF omits a tied lm_head.weight when saving; some checkpoints keep it anyway.

@@ -21,6 +21,7 @@ from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
 from tplab.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tplab.layers.moe import FusedMoE
 from tplab.layers.rotary import apply_rotary
 from tplab.models.loader import load_weights
 from tplab.models.pipeline import PipelineStage
@@ -35,6 +36,7 @@ class Parts:
     qkv_linear: type = QKVParallelLinear            # fused q|k|v, column parallel by head
     gate_up_linear: type = MergedColumnParallelLinear  # fused gate|up, column parallel
     row_linear: type = RowParallelLinear            # o_proj and down_proj: partial sums, all-reduced
+    experts: type = FusedMoE                        # an MoE layer's experts: route, dispatch, expert MLPs, combine
     gemm: type = Gemm                               # each linear layer's linear_method (on CPU: oneDNN, packed)
     attention: type = Attention                     # writes K/V into the paged cache, then attends
     attend: Callable = sdpa_attend                  # softmax(q k^T) v under the causal mask

@@ -1,5 +1,5 @@
-"""Checkpoints the workbook can use with no download: random Qwen2 models of any shape, and the
-shipped tiny model trained on generated stories."""
+"""Checkpoints the workbook can use with no download: random Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE models of
+any shape, and the shipped tiny model trained on generated stories."""
 from pathlib import Path
 
 import torch
@@ -11,6 +11,15 @@ SMALL_QWEN2 = dict(  # small enough for many tests; GQA with 2 query heads per K
 )
 
 
+SMALL_QWEN3 = dict(SMALL_QWEN2, head_dim=32)   # head_dim from the config, not hidden_size / heads (16)
+SMALL_MOE = dict(  # 8 experts of 32, 2 per token; untied, as the Hub's MoE models are
+    SMALL_QWEN2, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+    tie_word_embeddings=False,
+)
+SMALL_QWEN2_MOE = dict(SMALL_MOE, shared_expert_intermediate_size=64, norm_topk_prob=False)   # Qwen1.5-MoE's
+SMALL_QWEN3_MOE = dict(SMALL_MOE, head_dim=32, norm_topk_prob=True)                           # Qwen3-30B-A3B's
+
+
 def save_random_qwen2(out_dir, seed: int = 0, **overrides) -> Path:
     """Write a randomly initialised HF Qwen2 checkpoint (config.json, model.safetensors) to ``out_dir``.
 
@@ -20,13 +29,39 @@ def save_random_qwen2(out_dir, seed: int = 0, **overrides) -> Path:
     greedy choices are clear-cut rather than near ties.
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    return _save_random(Qwen2Config, Qwen2ForCausalLM, {**SMALL_QWEN2, **overrides}, out_dir, seed)
 
-    settings = {**SMALL_QWEN2, **overrides}
+
+def save_random_qwen3(out_dir, seed: int = 0, **overrides) -> Path:
+    """``save_random_qwen2`` for Qwen3 (dense): ``overrides`` are ``Qwen3Config`` fields (``head_dim``,
+    ``attention_bias``, ...); the per-head ``q_norm``/``k_norm`` weights are random too."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return _save_random(Qwen3Config, Qwen3ForCausalLM, {**SMALL_QWEN3, **overrides}, out_dir, seed)
+
+
+def save_random_qwen2_moe(out_dir, seed: int = 0, **overrides) -> Path:
+    """``save_random_qwen2`` for Qwen2-MoE: ``overrides`` are ``Qwen2MoeConfig`` fields (``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``shared_expert_intermediate_size``, ``norm_topk_prob``,
+    ``decoder_sparse_step``, ``mlp_only_layers``, ...). The file names each expert's tensors
+    (``model.layers.0.mlp.experts.3.gate_proj.weight``), as the Hub's files do."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    return _save_random(Qwen2MoeConfig, Qwen2MoeForCausalLM, {**SMALL_QWEN2_MOE, **overrides}, out_dir, seed)
+
+
+def save_random_qwen3_moe(out_dir, seed: int = 0, **overrides) -> Path:
+    """``save_random_qwen2_moe`` for Qwen3-MoE (Qwen3's attention, no shared expert): ``Qwen3MoeConfig`` fields."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return _save_random(Qwen3MoeConfig, Qwen3MoeForCausalLM, {**SMALL_QWEN3_MOE, **overrides}, out_dir, seed)
+
+
+def _save_random(config_class, model_class, settings: dict, out_dir, seed: int) -> Path:
+    """Build HF's ``model_class`` from ``settings``, make every parameter random, and ``save_pretrained`` it
+    (transformers 5 holds an MoE layer's experts stacked in memory and writes them one tensor per expert)."""
     if "rope_theta" in settings:  # transformers 5 keeps it in rope_parameters
         settings.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": settings.pop("rope_theta")})
-    config = Qwen2Config(**settings)
+    config = config_class(**settings)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).float()
+    model = model_class(config).float()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -4,7 +4,9 @@ Each rank opens the files itself and reads only the rows/columns its parameters
 hold (``safe_open(...).get_slice``): no rank ever materialises the full state
 dict. Every checkpoint tensor must land in a parameter and every parameter must be
 filled, with the shape the config implies; anything else is an error naming the
-tensor and the file.
+tensor and the file. An MoE checkpoint names each expert's tensors
+(``mlp.experts.3.gate_proj.weight``); ``model.expert_params_mapping`` stacks them into
+the experts' parameters, and under expert parallelism a rank reads only its own experts.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,11 +91,19 @@ def checkpoint_names(model_dir) -> set[str]:
 
 def expected_checkpoint_names(model: nn.Module) -> set[str]:
     """The tensor names an HF checkpoint must have for ``model``: fused parameters unpacked, aliased
-    parameters (``model.weight_aliases``: a pipeline's last stage's tied head) under the checkpoint's name."""
+    parameters (``model.weight_aliases``: a pipeline's last stage's tied head) under the checkpoint's name,
+    stacked experts as every expert's own tensors (all of them, also where this rank holds only some)."""
     names, alias_of = set(), {v: k for k, v in getattr(model, "weight_aliases", {}).items()}
+    per_expert = {}                                   # "experts.gate_up_proj" -> its checkpoint names' tails
+    for param_name, weight_name, _, _ in model.expert_params_mapping:
+        per_expert.setdefault(param_name, []).append(weight_name)
     for name, _ in model.named_parameters():  # a tied lm_head shares embed_tokens and is not listed
         if name in alias_of:
             names.add(alias_of[name])
+            continue
+        stacked = next((p for p in per_expert if name.endswith(f".{p}")), None)
+        if stacked is not None:
+            names.update(name[:-len(stacked)] + w for w in per_expert[stacked])
             continue
         packed = [(src, dst) for src, (dst, _) in model.packed_modules_mapping.items() if f".{dst}." in name]
         names.update(name.replace(f".{dst}.", f".{src}.") for src, dst in packed) if packed else names.add(name)
@@ -109,12 +119,29 @@ def param_for(model: nn.Module, name: str) -> tuple[str, object]:
     return name, None
 
 
+def expert_targets(model: nn.Module) -> dict[str, tuple[str, int, object]]:
+    """``model.expert_params_mapping`` by checkpoint tail (``experts.3.gate_proj.weight``): the stacked
+    parameter's tail, the expert and the shard id (empty for a dense model)."""
+    return {w: (p, e, s) for p, w, e, s in model.expert_params_mapping}
+
+
+def expert_for(targets: dict, name: str) -> tuple[str, int, object] | None:
+    """An expert's checkpoint name -> (stacked parameter name, expert id, shard id); None for any other name."""
+    parts = name.split(".")
+    for i in range(len(parts)):
+        tail = ".".join(parts[i:])
+        if tail in targets:
+            param, expert_id, shard_id = targets[tail]
+            return name[:-len(tail)] + param, expert_id, shard_id
+    return None
+
+
 def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()) -> LoadReport:
     """Fill ``model``'s parameters from the checkpoint in ``model_dir``, each through its ``weight_loader``.
 
     ``skip`` names checkpoint tensors to ignore (a tied ``lm_head.weight`` that was saved anyway).
     """
-    params = dict(model.named_parameters())
+    params, experts = dict(model.named_parameters()), expert_targets(model)
     expected, seen, reads = expected_checkpoint_names(model), set(), []
     for path in checkpoint_files(model_dir):
         try:
@@ -125,14 +152,16 @@ def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()
             for name in f.keys():
                 if name in skip:
                     continue
-                param_name, shard_id = param_for(model, name)
+                expert = expert_for(experts, name) if experts else None
+                param_name, shard_id = param_for(model, name) if expert is None else (expert[0], expert[2])
                 if param_name not in params:
                     raise CheckpointError(f"unexpected tensor {name} in {path.name}: the model built from "
                                           "config.json has no such parameter (does config.json match the weights?)")
                 param = params[param_name]
                 loader = getattr(param, "weight_loader", default_weight_loader)
+                expert_id = () if expert is None else (expert[1],)     # an expert's loader also takes its id
                 try:
-                    loader(param, LazySlice(f.get_slice(name), name, reads=reads), shard_id)
+                    loader(param, LazySlice(f.get_slice(name), name, reads=reads), shard_id, *expert_id)
                 except WeightShapeError as e:
                     raise WeightShapeError(f"{name} in {path.name}: {e} (does config.json match the weights?)") \
                         from None

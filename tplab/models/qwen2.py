@@ -20,7 +20,8 @@ are ``PPMissingLayer``), the embedding on the first stage, the norm and LM head 
 ``Qwen2Model.forward_stage``: from the ids or the previous stage's ``(hidden, residual)`` to the pair it sends.
 
 The layers come from ``parts`` (``tplab.engine.parts.Parts``): tplab's own, or a pitfall's or a
-learner's replacements, each built with the same arguments and called the same way.
+learner's replacements, each built with the same arguments and called the same way. Qwen3 (``qwen3.py``) and
+the MoE models (``qwen_moe.py``) are these classes with another attention or MLP (``tplab.models.registry``).
 """
 import torch
 from torch import nn
@@ -54,11 +55,12 @@ class Qwen2Attention(nn.Module):
     def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
         super().__init__()
         head_dim = head_dim_of(config)
+        qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = parts.qkv_linear(config.hidden_size, head_dim, config.num_attention_heads,
-                                         config.num_key_value_heads, bias=True, tp_rank=tp_rank, tp_size=tp_size)
+                                         config.num_key_value_heads, bias=qkv_bias, tp_rank=tp_rank, tp_size=tp_size)
         self.num_heads, self.num_kv_heads = local_head_counts(config, tp_size)
         self.head_dim = head_dim
-        self.o_proj = parts.row_linear(config.num_attention_heads * head_dim, config.hidden_size, bias=False,
+        self.o_proj = parts.row_linear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias,
                                        tp_rank=tp_rank, tp_size=tp_size, **row_settings(sequence_parallel))
         theta, _ = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, parts.apply_rope)
@@ -70,20 +72,33 @@ class Qwen2Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)               # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)            # (T, H_kv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(meta.positions, q, k)
+        q, k = self.rotary_emb(meta.positions, *self.norm_heads(q, k))
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))     # (T, E), all-reduced (SP: partial sums)
+
+    @staticmethod
+    def biases(config) -> tuple[bool, bool]:
+        """Whether q/k/v and o_proj have a bias: Qwen2's q/k/v do (Qwen2-MoE's unless ``qkv_bias=False``)."""
+        return getattr(config, "qkv_bias", True), False
+
+    def norm_heads(self, q, k):
+        """What each head of q and k goes through before RoPE: nothing in Qwen2 (Qwen3: an RMSNorm)."""
+        return q, k
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
+    """``intermediate_size`` defaults to the config's (an MoE model's shared expert has its own);
+    ``partial_sums``: down_proj returns this rank's partial sum, for the caller to reduce (as under SP)."""
+
+    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False,
+                 intermediate_size: int | None = None, partial_sums: bool = False):
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={config.hidden_act!r}: tplab implements Qwen2's 'silu' only")
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = parts.gate_up_linear(config.hidden_size, [size, size], bias=False,
                                                  tp_rank=tp_rank, tp_size=tp_size)
         self.down_proj = parts.row_linear(size, config.hidden_size, bias=False, tp_rank=tp_rank, tp_size=tp_size,
-                                          **row_settings(sequence_parallel))
+                                          **row_settings(sequence_parallel or partial_sums))
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
@@ -91,12 +106,20 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False):
+    """One decoder layer. Other Qwen models change its ``attention`` class or what ``make_mlp`` builds for
+    layer ``layer_idx`` (an MoE block); ``enable_expert_parallel`` only matters to an MoE block."""
+    attention = Qwen2Attention
+
+    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False,
+                 layer_idx: int = 0, enable_expert_parallel: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen2Attention(config, parts, tp_rank, tp_size, sequence_parallel)
+        self.self_attn = self.attention(config, parts, tp_rank, tp_size, sequence_parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = Qwen2MLP(config, parts, tp_rank, tp_size, sequence_parallel)
+        self.mlp = self.make_mlp(config, parts, tp_rank, tp_size, sequence_parallel, layer_idx, enable_expert_parallel)
+
+    def make_mlp(self, config, parts, tp_rank, tp_size, sequence_parallel, layer_idx, enable_expert_parallel):
+        return Qwen2MLP(config, parts, tp_rank, tp_size, sequence_parallel)
 
     def forward(self, x, kv_cache, meta, sp=None):
         hidden, residual = self.forward_unsummed(x, kv_cache, meta, sp)
@@ -113,7 +136,8 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False, stage=None):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False, stage=None,
+                 decoder_layer: type = Qwen2DecoderLayer, enable_expert_parallel: bool = False):
         super().__init__()
         stage = stage or PipelineStage(config.num_hidden_layers, 0, 1)   # default: the whole model
         self.tp_rank, self.tp_size, self.sequence_parallel, self.stage = tp_rank, tp_size, sequence_parallel, stage
@@ -125,7 +149,8 @@ class Qwen2Model(nn.Module):
         if stage.has_embedding:
             self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank,
                                                 tp_size=tp_size, **row_settings(self.embed_partial))
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config, parts, tp_rank, tp_size, sequence_parallel)
+        self.layers = nn.ModuleList(decoder_layer(config, parts, tp_rank, tp_size, sequence_parallel, layer_idx=i,
+                                                  enable_expert_parallel=enable_expert_parallel)
                                     if i in stage.layers else PPMissingLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.has_head else PPMissingLayer()
 
@@ -183,22 +208,28 @@ def tie_weights(lm_head: nn.Module, embedding: nn.Module) -> None:
 
 class Qwen2ForCausalLM(nn.Module):
     """One rank's shard of a Qwen2 model. ``tp_rank``/``tp_size`` default to the process group's;
-    ``sequence_parallel`` (at TP > 1) splits the residual stream over ranks by tokens."""
+    ``sequence_parallel`` (at TP > 1) splits the residual stream over ranks by tokens. The other Qwen models
+    (``tplab.models.registry``) are this class with another ``decoder_layer``."""
+    decoder_layer = Qwen2DecoderLayer
 
     # checkpoint name -> (name of the fused parameter, shard id given to its weight_loader)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    # an MoE model's (param_name, weight_name, expert_id, shard_id) per expert tensor (tplab.layers.moe)
+    expert_params_mapping: list = []
 
     def __init__(self, config, parts, tp_rank: int | None = None, tp_size: int | None = None,
-                 sequence_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1):
+                 sequence_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1,
+                 enable_expert_parallel: bool = False):
         super().__init__()
         tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
         self.sequence_parallel = sequence_parallel and tp_size > 1   # at TP 1 there is nothing to split
         self.stage = parts.pipeline_stage(config.num_hidden_layers, pp_rank, pp_size, tp_rank, tp_size)
-        self.model = Qwen2Model(config, parts, tp_rank, tp_size, self.sequence_parallel, self.stage)
+        self.model = Qwen2Model(config, parts, tp_rank, tp_size, self.sequence_parallel, self.stage,
+                                self.decoder_layer, enable_expert_parallel)
         self.weight_aliases = {}  # checkpoint name -> parameter name, where they differ (a tied head below)
         if not self.stage.has_head:
             self.lm_head = PPMissingLayer()
@@ -208,6 +239,11 @@ class Qwen2ForCausalLM(nn.Module):
             tie_weights(self.lm_head, self.model.embed_tokens)
         elif config.tie_word_embeddings:   # the last stage has no embedding: its head reads the embedding's tensor
             self.weight_aliases["model.embed_tokens.weight"] = "lm_head.weight"
+
+    @classmethod
+    def tp_split_sizes(cls, config, enable_expert_parallel: bool = False) -> dict[str, int]:
+        """The sizes tensor parallelism splits besides the heads, by config field: each must divide by tp_size."""
+        return {"intermediate_size": config.intermediate_size}
 
     def forward(self, input_ids: torch.Tensor, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids ``(T,)`` -> final hidden states ``(T, E)``."""

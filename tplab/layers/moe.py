@@ -1,0 +1,131 @@
+"""Mixture of experts on tensor-parallel ranks: vLLM's ``FusedMoE``, in plain torch.
+
+One MoE layer, on each rank (T tokens, hidden size H, E experts of intermediate size I, top k):
+    router_logits (T, E) = x @ gate.T                    # the router is replicated: every rank routes every token
+    weights, ids  (T, k) = top-k of softmax(logits)      # in fp32 (renormalised or not), then x's dtype, as HF
+    for each expert e this rank holds:                   # dispatch
+        rows = the tokens that chose e                   # (n_e,)
+        y = down_e(silu(gate_e x[rows]) * up_e x[rows])  # (n_e, H)
+        out[rows] += weight of e in each row * y         # combine
+    out (T, H): a partial sum, completed by one all-reduce
+
+Two placements, with vLLM's names. By default every rank holds every expert, each split by TP as a dense
+MLP is (gate and up column parallel over I, down row parallel), so ``out`` sums this rank's I / t columns
+of every expert. With ``enable_expert_parallel`` each rank holds E / t whole experts and runs only the
+tokens routed to them; every rank sees every token, so ``out`` sums this rank's experts. Either way one
+all-reduce completes it, and an MoE block adds its shared expert's partial sum before that one all-reduce.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tplab.distributed.parallel_state import all_reduce, divide, tp_rank_and_size
+from tplab.layers.weights import copy_into, expect_shape
+
+
+class ReplicatedLinear(nn.Module):
+    """``y = x @ W.T`` with the whole ``(output_size, input_size)`` weight on every rank (vLLM's name): the
+    router ``gate`` ``(E, H)`` and Qwen2-MoE's ``shared_expert_gate`` ``(1, H)``. Small, so not split."""
+
+    def __init__(self, input_size: int, output_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)                                   # (T, output_size)
+
+
+class FusedMoE(nn.Module):
+    """This rank's experts of one MoE layer, their weights stacked: routing, dispatch, expert MLPs, combine.
+
+    Contract of ``Parts.experts`` (what a replacement keeps):
+    - ``__init__(num_experts, top_k, hidden_size, intermediate_size, renormalize=False, reduce_results=True,
+      tp_rank=None, tp_size=None, enable_expert_parallel=False)``: full sizes; ``renormalize`` is HF's
+      ``norm_topk_prob`` (the k weights divided by their sum).
+    - ``gate_up_proj``: ``(E_local, 2 I_local, H)``, each expert's rows laid out ``[gate | up]``, and
+      ``down_proj``: ``(E_local, H, I_local)``; both carry ``weight_loader``. Without expert parallelism
+      ``E_local = E`` and ``I_local = I / tp_size``; with it ``E_local = E / tp_size`` (rank r holds experts
+      ``r E_local .. (r + 1) E_local - 1``) and ``I_local = I``.
+    - ``weight_loader(param, loaded, shard_id, expert_id)``: ``loaded`` is expert ``expert_id``'s full
+      checkpoint tensor (or a lazy slice of it): ``gate_proj`` (shard_id 0) or ``up_proj`` (1), ``(I, H)``,
+      into ``gate_up_proj``; ``down_proj`` (shard_id None), ``(H, I)``. An expert another rank holds: return
+      without reading it.
+    - ``forward(x, router_logits)``: ``x`` ``(T, H)``, ``router_logits`` ``(T, E)`` -> ``(T, H)``, the sum over
+      each token's top-k experts weighted as HF weights them; all-reduced, or with ``reduce_results=False``
+      this rank's partial sum (the caller reduces it).
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool = False, reduce_results: bool = True, tp_rank=None, tp_size=None,
+                 enable_expert_parallel: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
+        self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
+        self.intermediate_size, self.renormalize, self.reduce_results = intermediate_size, renormalize, reduce_results
+        if enable_expert_parallel:           # E / t whole experts on each rank
+            self.num_local_experts = divide(num_experts, self.tp_size, "num_experts")
+            self.intermediate_size_per_partition, self.expert_tp_rank = intermediate_size, 0
+        else:                                # every expert, each split over the ranks
+            self.num_local_experts = num_experts
+            self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size, "intermediate_size")
+            self.expert_tp_rank = self.tp_rank
+        first = self.tp_rank * self.num_local_experts if enable_expert_parallel else 0
+        self.local_experts = range(first, first + self.num_local_experts)  # global ids of this rank's experts
+        e, i = self.num_local_experts, self.intermediate_size_per_partition
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
+        self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id, expert_id: int) -> None:
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert {expert_id}: the model has {self.num_experts} experts (num_experts)")
+        if expert_id not in self.local_experts:
+            return                                                        # another rank's expert: not read
+        local, rows = expert_id - self.local_experts.start, self.intermediate_size_per_partition
+        start = self.expert_tp_rank * rows                                # this rank's I_local of the expert
+        if shard_id is None:                                              # down_proj (H, I): split on dim 1
+            expect_shape(loaded, (self.hidden_size, self.intermediate_size))
+            copy_into(param.data[local], loaded.narrow(1, start, rows))
+        else:                                                             # gate_proj / up_proj (I, H): dim 0
+            expect_shape(loaded, (self.intermediate_size, self.hidden_size))
+            copy_into(param.data[local].narrow(0, shard_id * rows, rows), loaded.narrow(0, start, rows))
+
+    def select_experts(self, router_logits: torch.Tensor, dtype: torch.dtype):
+        """``(T, E)`` -> each token's k experts ``ids`` ``(T, k)`` and their ``weights`` ``(T, k)``: softmax in
+        fp32, top-k, renormalised to sum to 1 where ``renormalize``, then cast to ``dtype`` (HF's router)."""
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)   # (T, E)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)                 # (T, k) each
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(dtype), ids
+
+    def dispatch(self, ids: torch.Tensor):
+        """For each expert this rank holds that some token chose: ``(local index, rows, slots)``, the tokens
+        that chose it ``(n_e,)`` and where in their top-k it is ``(n_e,)`` (an expert is in a row at most once)."""
+        for local, expert in enumerate(self.local_experts):
+            rows, slots = (ids == expert).nonzero(as_tuple=True)
+            if rows.numel():
+                yield local, rows, slots
+
+    def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``local``'s SiLU-gated MLP on its tokens: ``(n, H) -> (n, H)`` (a partial sum under TP)."""
+        gate, up = F.linear(x, self.gate_up_proj[local]).chunk(2, dim=-1)    # (n, I_local) each
+        return F.linear(F.silu(gate) * up, self.down_proj[local])
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.select_experts(router_logits, x.dtype)          # (T, k) each
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # summed in fp32, as HF sums the k
+        for local, rows, slots in self.dispatch(ids):
+            y = self.expert_mlp(local, x.index_select(0, rows))             # (n_e, H)
+            out.index_add_(0, rows, (y * weights[rows, slots].unsqueeze(-1)).float())   # combine
+        out = out.to(x.dtype)                                                # (T, H)
+        return all_reduce(out, self.tp_size) if self.reduce_results else out
+
+
+def make_expert_params_mapping(num_experts: int) -> list[tuple[str, str, int, int | None]]:
+    """vLLM's ``(param_name, weight_name, expert_id, shard_id)`` for every expert's checkpoint tensors (the
+    Hub's names, one per expert: ``experts.3.gate_proj.weight``) onto the stacked parameters
+    (``experts.gate_up_proj``, ``experts.down_proj``: HF's own names for them in memory)."""
+    projections = (("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1), ("down_proj", "down_proj", None))
+    return [(f"experts.{param}", f"experts.{e}.{proj}.weight", e, shard)
+            for e in range(num_experts) for proj, param, shard in projections]

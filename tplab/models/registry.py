@@ -1,0 +1,52 @@
+"""Which model class serves a checkpoint: its config's ``model_type`` -> the class (vLLM's model registry).
+
+Every class takes the same arguments (``Qwen2ForCausalLM``'s) and says which of the config's sizes tensor
+parallelism splits (``tp_split_sizes``); ``check_tp_size`` holds a TP size (and ``enable_expert_parallel``)
+against them before any rank starts, and names the sizes that work.
+"""
+from tplab.layers.linear import check_heads_divisible, valid_tp_sizes
+from tplab.models.qwen2 import Qwen2ForCausalLM
+from tplab.models.qwen3 import Qwen3ForCausalLM
+from tplab.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+MODELS = {
+    "qwen2": Qwen2ForCausalLM,         # Qwen2, Qwen2.5
+    "qwen3": Qwen3ForCausalLM,         # Qwen3 dense: per-head q/k RMSNorm
+    "qwen2_moe": Qwen2MoeForCausalLM,  # Qwen1.5-MoE, Qwen2-57B-A14B: experts and a gated shared expert
+    "qwen3_moe": Qwen3MoeForCausalLM,  # Qwen3-30B-A3B, Qwen3-235B-A22B: experts only
+}
+
+
+def supported() -> str:
+    return ", ".join(repr(t) for t in MODELS)
+
+
+def model_class(model_type: str) -> type:
+    """The class for ``model_type``, or a ValueError that lists the ones tplab serves."""
+    if model_type not in MODELS:
+        raise ValueError(f"model_type={model_type!r} is not served by tplab; it serves {supported()}")
+    return MODELS[model_type]
+
+
+def check_tp_size(config, tp_size: int, enable_expert_parallel: bool = False) -> None:
+    """A TP size must split the query heads, the KV heads (or replicate them) and the sizes the model class
+    splits (``tp_split_sizes``: the MLPs' intermediate sizes; with ``enable_expert_parallel``, the experts)."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool):
+        raise ValueError(f"tensor_parallel_size must be an int, got {tp_size!r}")
+    check_heads_divisible(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    cls = model_class(config.model_type)
+    split = cls.tp_split_sizes(config, enable_expert_parallel)
+    bad = [(name, size) for name, size in split.items() if size % tp_size]
+    if not bad:
+        return
+    name, size = bad[0]
+    sizes = valid_tp_sizes(config.num_attention_heads, config.num_key_value_heads, *split.values())
+    why = f"{name} {size} is not divisible by {tp_size}"
+    if name == "num_experts":                 # expert parallelism: whole experts on each rank
+        why = (f"enable_expert_parallel=True places whole experts on the {tp_size} ranks, and the {size} experts "
+               f"(num_experts) do not divide by {tp_size}")
+        plain = valid_tp_sizes(config.num_attention_heads, config.num_key_value_heads,
+                               *cls.tp_split_sizes(config, False).values())
+        if tp_size in plain:
+            sizes = f"{sizes}; or drop enable_expert_parallel (each expert is then split over the {tp_size} ranks)"
+    raise ValueError(f"tensor_parallel_size={tp_size} does not work: {why}. TP sizes that work: {sizes}")
