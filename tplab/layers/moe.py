@@ -102,6 +102,9 @@ class FusedMoE(nn.Module):
     def dispatch(self, ids: torch.Tensor):
         """For each expert this rank holds that some token chose: ``(local index, rows, slots)``, the tokens
         that chose it ``(n_e,)`` and where in their top-k it is ``(n_e,)`` (an expert is in a row at most once)."""
+        if ids.is_cuda and torch.cuda.is_current_stream_capturing():   # say why, rather than fail in nonzero
+            raise RuntimeError("an MoE layer's dispatch picks each expert's tokens with nonzero (shapes that depend "
+                               "on the routing), which a CUDA graph cannot hold")
         for local, expert in enumerate(self.local_experts):
             rows, slots = (ids == expert).nonzero(as_tuple=True)
             if rows.numel():
