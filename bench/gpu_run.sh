@@ -12,5 +12,5 @@ export PYTHONUNBUFFERED=1 TPLAB_PYTHON=${TPLAB_PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 "$TPLAB_PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   >> "$out/gpu.txt"
-timeout 200 ./workbook.sh test-gpu -q 2>&1 | tee "$out/test-gpu.log"
-timeout 330 "$TPLAB_PYTHON" bench/gpu.py --new 64 --reps 3 --budget 200 --out "$out/gpu.json" 2>&1 | tee "$out/bench.log"
+timeout 170 ./workbook.sh test-gpu -q 2>&1 | tee "$out/test-gpu.log"
+timeout 290 "$TPLAB_PYTHON" bench/gpu.py --new 64 --reps 3 --budget 170 --out "$out/gpu.json" 2>&1 | tee "$out/bench.log"
