@@ -8,9 +8,10 @@ cd "$(dirname "$0")/.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
 out=${OUT:-bench/results/${gpu:-gpu}}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TPLAB_PYTHON=${TPLAB_PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TPLAB_PYTHON=${TPLAB_PYTHON:-python3} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 "$TPLAB_PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   >> "$out/gpu.txt"
 timeout 170 ./workbook.sh test-gpu -q 2>&1 | tee "$out/test-gpu.log"
-timeout 290 "$TPLAB_PYTHON" bench/gpu.py --new 64 --reps 3 --budget 170 --out "$out/gpu.json" 2>&1 | tee "$out/bench.log"
+timeout 90 "$TPLAB_PYTHON" bench/graph_parity.py --out "$out/graph_parity.json" 2>&1 | tee "$out/graph_parity.log"
+timeout 260 "$TPLAB_PYTHON" bench/gpu.py --new 64 --reps 3 --budget 150 --out "$out/gpu.json" 2>&1 | tee "$out/bench.log"

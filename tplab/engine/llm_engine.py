@@ -21,7 +21,7 @@ from tplab.engine.pipeline_loop import OneStage, PipelineLoop, check_stages
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
-from tplab.engine.static_decode import graph_memory_bound as static_graph_memory
+from tplab.engine.static_decode import MAX_CONTEXT, graph_memory_bound as static_graph_memory
 from tplab.models.loader import LoadReport, checkpoint_names
 from tplab.models.pipeline import other_stages_names
 from tplab.layers.attention import kv_cache_shape
@@ -112,16 +112,20 @@ def static_decode(cfg: EngineConfig, device: torch.device):
     where decode steps run eagerly at their own shapes)."""
     if not cfg.static_decode:
         return None
-    max_blocks = -(-cfg.hf_config.max_position_embeddings // cfg.block_size)
     return functools.partial(cfg.parts.static_decode, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                             max_blocks=max_blocks, device=device, graphs=cfg.cuda_graphs)
+                             max_blocks=static_max_blocks(cfg), device=device, graphs=cfg.cuda_graphs)
+
+
+def static_max_blocks(cfg: EngineConfig) -> int:
+    """The widest block table a decode step at fixed shapes takes: the model's length, at most ``MAX_CONTEXT``."""
+    return -(-min(cfg.hf_config.max_position_embeddings, MAX_CONTEXT) // cfg.block_size)
 
 
 def graph_memory_bound(cfg: EngineConfig) -> int:
     """``static_decode.graph_memory_bound`` for this rank's shard of the model."""
     hf = cfg.hf_config
     heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
-    return static_graph_memory(cfg.max_num_seqs, -(-hf.max_position_embeddings // cfg.block_size), cfg.block_size,
+    return static_graph_memory(cfg.max_num_seqs, static_max_blocks(cfg), cfg.block_size,
                                hf.hidden_size, hf.intermediate_size // cfg.tensor_parallel_size, heads, kv_heads,
                                head_dim_of(hf), cfg.dtype)
 

@@ -19,6 +19,11 @@ from tplab.layers.decode_blocks import PaddedDecode
 from tplab.layers.metadata import AttentionMetadata, check_positions
 
 
+# Decode steps whose longest sequence holds more tokens than this run at their own shapes (vLLM's
+# max_seq_len_to_capture): a graph for every width up to a 128K context would hold gigabytes of gathered keys.
+MAX_CONTEXT = 8192
+
+
 def buckets(largest: int) -> list[int]:
     """Batch sizes a step is padded to: 1, 2, 4, 8, then multiples of 16, ending at ``largest``."""
     sizes = [s for s in (1, 2, 4, 8) if s < largest] + list(range(16, largest, 16))
