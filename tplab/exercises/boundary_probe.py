@@ -71,8 +71,8 @@ class Request:
             self._watch.problem(1, "blocking", "its send called wait() on the request isend had just returned")
         return self._watch.finish_one(self._real, "the send it waits on was never received")
 
-    def is_completed(self):
-        return self._real.is_completed()
+    def __getattr__(self, name):                        # is_completed, exception, get_future...: gloo's own
+        return getattr(self._real, name)
 
 
 class P2PWatch:
@@ -120,12 +120,12 @@ class P2PWatch:
         self.finish_one(self._start(tensor, dst, "send"), "the send was never received")
 
     def finish_one(self, real, why: str) -> bool:
-        """``real.wait()`` once (gloo's requests say they are complete only once waited on, and a second wait never
-        returns), given up at the probe's end: then it is left waiting in a thread, and the ranks are not kept."""
-        if id(real) not in self.waits:
-            self.waits[id(real)] = done = threading.Event()
-            threading.Thread(target=lambda: (real.wait(), done.set()), daemon=True).start()
-        if not self.waits[id(real)].wait(max(0.0, self.end - time.monotonic())):
+        """``real.wait()`` once (gloo's requests say they are complete only once waited on, and a second wait may
+        not return), given up at the probe's end: then it is left waiting in a thread, and the ranks are not kept."""
+        if id(real) not in self.waits:                  # the request is kept with its event: its id stays its own
+            self.waits[id(real)] = real, threading.Event()
+            threading.Thread(target=lambda done=self.waits[id(real)][1]: (real.wait(), done.set()), daemon=True).start()
+        if not self.waits[id(real)][1].wait(max(0.0, self.end - time.monotonic())):
             self.problem(5, "stuck", why, seconds=self.seconds)
             raise Refused(why)
         return True
