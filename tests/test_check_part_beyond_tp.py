@@ -9,6 +9,7 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import all_reduce as torch_all_reduce
 
 from tplab import LLM, SamplingParams
 from tplab.distributed.parallel_state import all_gather, all_reduce, isend, recv, reduce_scatter
@@ -78,6 +79,14 @@ class AllReduceInPlace(Region):
     def add(self, partial, residual=None):                             # the same, on partial itself, through torch
         dist.all_reduce(partial)
         summed = self.local(partial)
+        return summed if residual is None else residual + summed
+
+
+class AllReduceByName(Region):
+    def add(self, partial, residual=None):                             # torch's, imported by name (by reference)
+        summed = partial.clone()
+        torch_all_reduce(summed)
+        summed = self.local(summed)
         return summed if residual is None else residual + summed
 
 
@@ -185,6 +194,7 @@ MISTAKES = [  # (part, impl, TP size, words the message must hold, words it must
      "sequence parallelism runs one reduce_scatter of 256 B. Counted as notebook 07 counts a ring, it sends 256 B "
      "from each rank, where SP sends 128 B", None),
     ("sp_norm_region", AllReduceInPlace, 2, "but it ran all_reduce of 256 B (put in)", "embed_tokens"),
+    ("sp_norm_region", AllReduceByName, 2, "but it ran all_reduce of 256 B (put in)", None),
     ("sp_norm_region", HiddenDim, 2, "hidden dimension (dim 1)", None),
     ("sp_norm_region", NoResidual, 2, "did not add the residual", None),
     ("sp_norm_region", NormTwice, 2, "applied the norm twice", None),

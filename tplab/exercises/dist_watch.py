@@ -2,7 +2,7 @@
 
 ``patched(wrappers)`` swaps functions of ``torch.distributed`` (and of ``distributed_c10d``, where they are
 defined) for the ``with``'s duration; ``load(blob)`` unpickles the part inside it, so that a cell's
-``from torch.distributed import send`` (pickled by reference) finds the wrapper too. ``records()`` counts the
+``from torch.distributed import send`` (pickled by reference) finds the wrapper too. ``Collectives`` counts the
 collectives a block runs, through ``tplab.distributed.parallel_state`` or ``torch.distributed`` directly, as
 ``(op, bytes put in)``; ``sent`` prices a record in bytes on the link, as notebook 07 counts a ring.
 """
@@ -10,7 +10,6 @@ import contextlib
 import sys
 
 import cloudpickle
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
