@@ -45,13 +45,14 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """``hf_model(folder)`` -> HF's own ``Qwen2ForCausalLM`` on that checkpoint, fp32, cached."""
-    from transformers import Qwen2ForCausalLM
+    """``hf_model(folder)`` -> HF's own model on that checkpoint (its ``model_type``'s: Qwen2, Qwen3, Qwen2-MoE,
+    Qwen3-MoE), fp32, cached."""
+    from transformers import AutoModelForCausalLM
     cache = {}
 
     def load(folder):
         if folder not in cache:
-            cache[folder] = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            cache[folder] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         return cache[folder]
     return load
 

@@ -38,15 +38,9 @@ def moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(moe):
-    from transformers import AutoModelForCausalLM
-    cache = {}
-
-    def load(name):
-        if name not in cache:
-            cache[name] = AutoModelForCausalLM.from_pretrained(moe(name), dtype=torch.float32).eval()
-        return cache[name]
-    return load
+def hf(hf_model, moe):
+    """``hf(name)`` -> HF's own model on checkpoint ``name`` (conftest's ``hf_model``)."""
+    return lambda name: hf_model(moe(name))
 
 
 @pytest.fixture(scope="module")

@@ -37,15 +37,9 @@ def qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(qwen3):
-    from transformers import Qwen3ForCausalLM
-    cache = {}
-
-    def load(name):
-        if name not in cache:
-            cache[name] = Qwen3ForCausalLM.from_pretrained(qwen3(name), dtype=torch.float32).eval()
-        return cache[name]
-    return load
+def hf(hf_model, qwen3):
+    """``hf(name)`` -> HF's own model on checkpoint ``name`` (conftest's ``hf_model``)."""
+    return lambda name: hf_model(qwen3(name))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
