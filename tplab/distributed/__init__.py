@@ -2,7 +2,8 @@
 
 ``launcher``       ``launch(fn, world_size)`` and ``RankGroup``: rank processes from a notebook cell
 ``rank_process``   what runs inside one of those processes
-``parallel_state`` this rank's place in the TP group, and the two collectives TP needs
+``layout``         how the ranks are arranged: TP groups, pipeline stages or data-parallel ranks
+``parallel_state`` this rank's place in the TP group, the collectives TP needs, and the experts' all-to-all
 ``shm_comm``       those collectives through shared memory, for CPU ranks on one machine
 """
 from tplab.distributed.launcher import RankError, RankGroup, launch

@@ -1,15 +1,15 @@
 """Tensor-parallel bookkeeping: who am I, how many of us, and the collectives TP needs (all-reduce,
-all-gather; reduce-scatter for sequence parallelism), and send/recv between pipeline stages.
+all-gather; reduce-scatter for sequence parallelism), send/recv between pipeline stages, and under data
+parallelism the experts' all-to-all over every rank (``all_to_all``, ``ep_all_gather``, ``dp_any``).
 
 Layers take ``tp_rank``/``tp_size`` explicitly so that one process can build every rank's shard (tests and
 notebooks do); left as ``None`` they come from this stage's TP group, as inside a rank started by
 ``tplab.launch`` or ``torchrun``. How collectives travel (shared memory between CPU ranks of one host, else
-the process group) is decided once per group by ``init_tp_comm()`` or ``init_model_parallel(t, p)``.
-``count_collectives()`` records the collectives a block of code runs (notebook 00 counts a decode step's).
+the process group) is decided once per group by ``init_tp_comm()`` or ``init_model_parallel(t, p, d)``
+(``tplab.distributed.layout``). ``count_collectives()`` records the collectives a block of code runs
+(notebook 00 counts a decode step's).
 """
-import atexit
 import contextlib
-import gc
 import math
 import time
 from dataclasses import dataclass
@@ -17,45 +17,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tplab.distributed.shm_comm import ShmComm, shm_applies
+from tplab.distributed.layout import (Layout, current_layout, dp_rank_and_size, init_model_parallel,  # noqa: F401
+                                      init_tp_comm, pp_rank_and_size, tp_rank_and_size)
+from tplab.distributed.shm_comm import ShmComm
 
-
-@dataclass(frozen=True)
-class Layout:
-    """How this process's ranks are arranged: ``pp_size`` stages of ``tp_size`` TP ranks each, world rank
-    ``pp_rank * tp_size + tp_rank`` (vLLM's layout), and how this stage's TP collectives travel."""
-    world: object                # the dist.group.WORLD it was decided for: a new process group makes it stale
-    group: object                # this stage's TP group (WORLD at PP 1; None at TP 1, which runs no collective)
-    tp_rank: int
-    tp_size: int
-    pp_rank: int = 0
-    pp_size: int = 1
-    comm: ShmComm | None = None  # shared memory between the group's ranks, where it applies
-
-
-# Kept beside torch.distributed's own state of the group: it belongs to the process group (set once by
-# init_tp_comm / init_model_parallel, checked against it at every collective), not to an LLM.
-_layout: Layout | None = None
-_release_registered = False        # _release_at_exit runs at exit once the process has had a layout
 _recorders: list[list] = []       # the lists of the open count_collectives() blocks; usually empty
-
-
-def current_layout() -> Layout | None:
-    """The layout decided for the current process group, or None (then the world is one TP group)."""
-    layout = _layout
-    if layout is None or layout.world is not dist.group.WORLD:
-        return None
-    return layout
 
 
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective this rank ran: what, on which tensor, along which path, and how long it took."""
-    op: str                      # "all_reduce", "all_gather", "reduce_scatter"; "send"/"recv" between stages
+    op: str                      # "all_reduce", "all_gather", "reduce_scatter"; "send"/"recv" between stages;
+                                 # "all_to_all" (the experts' exchange), "dp_any" (DP ranks' step check: an all-reduce)
     shape: tuple[int, ...]       # the tensor this rank put in, e.g. (1, hidden) for a decode step's all-reduce
     dtype: torch.dtype
     path: str                    # "shm" (shared memory) or the process group's backend, e.g. "gloo"
     seconds: float               # wall time on this rank, waiting for the slowest rank included
+    to_others: int | None = None  # all_to_all: the bytes of its rows for other ranks (those for itself stay)
 
     @property
     def nbytes(self) -> int:
@@ -65,8 +43,8 @@ class CollectiveRecord:
 
 @contextlib.contextmanager
 def count_collectives():
-    """Record every ``all_reduce``/``all_gather``/``reduce_scatter`` over more than one rank, and every ``send``/``recv``
-    between pipeline stages, that this process runs inside the ``with``; yields the list of ``CollectiveRecord`` it fills, in call order. Blocks may nest.
+    """Record every ``all_reduce``/``all_gather``/``reduce_scatter``/``all_to_all`` over more than one rank, and every
+    ``send``/``recv`` between pipeline stages, that this process runs inside the ``with``; yields the list of ``CollectiveRecord`` it fills, in call order. Blocks may nest.
     Outside any block the collectives pay one check of an empty list."""
     records: list[CollectiveRecord] = []
     _recorders.append(records)
@@ -76,35 +54,14 @@ def count_collectives():
         _recorders.remove(records)
 
 
-def _recorded(op: str, x: torch.Tensor, comm, run, *args):
+def _recorded(op: str, x: torch.Tensor, comm, run, *args, to_others: int | None = None):
     start = time.perf_counter()
     out = run(*args)
     path = "shm" if comm is not None else str(dist.get_backend())
-    record = CollectiveRecord(op, tuple(x.shape), x.dtype, path, time.perf_counter() - start)
+    record = CollectiveRecord(op, tuple(x.shape), x.dtype, path, time.perf_counter() - start, to_others)
     for records in _recorders:
         records.append(record)
     return out
-
-
-def tp_rank_and_size(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
-    """Fill in whichever of ``tp_rank``/``tp_size`` is None from this stage's TP group (the process group's
-    rank and size at PP 1), or 0/1 without a group."""
-    layout = current_layout()
-    if layout is not None:
-        group_rank, group_size = layout.tp_rank, layout.tp_size
-    else:
-        group_rank, group_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    tp_rank = group_rank if tp_rank is None else tp_rank
-    tp_size = group_size if tp_size is None else tp_size
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
-    return tp_rank, tp_size
-
-
-def pp_rank_and_size() -> tuple[int, int]:
-    """This process's pipeline stage and the number of stages (0, 1 without pipeline parallelism)."""
-    layout = current_layout()
-    return (layout.pp_rank, layout.pp_size) if layout is not None else (0, 1)
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
@@ -130,62 +87,6 @@ def _tp_group(tp_size: int) -> tuple[object, Layout | None]:
         f"a collective over tp_size={tp_size} ranks needs a process group of that size (found {have}); "
         "run inside tplab.launch / torchrun, or build the layer with reduce_results=False / "
         "gather_output=False and combine the shards yourself")
-
-
-def _set_layout(layout: Layout) -> None:
-    global _layout, _release_registered
-    if not _release_registered:
-        atexit.register(_release_at_exit)
-        _release_registered = True
-    _layout = layout
-
-
-def _release_at_exit() -> None:
-    """At interpreter exit, while Python is still whole: let go of the layout (its TP groups, its shared memory)
-    and collect what the engines left in cycles (the requests of their last sends). A gloo group that is still
-    alive when the interpreter finalises can abort the rank (SIGABRT, "terminate called without an active
-    exception") after its work is done, which under torchrun leaves the other machine's ranks waiting."""
-    global _layout
-    _layout = None
-    gc.collect()
-
-
-def init_tp_comm(use_shm: bool = True) -> None:
-    """Decide how this process group's collectives travel, with the whole world as one TP group: shared
-    memory when every rank is a CPU rank on this machine (``shm_comm.shm_applies``), else the process
-    group. Every rank must call it (it maps a segment together); a second call for the same group does nothing."""
-    layout = current_layout()
-    if layout is not None and layout.pp_size == 1:
-        return
-    comm = ShmComm() if use_shm and shm_applies() else None
-    _set_layout(Layout(dist.group.WORLD, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), comm=comm))
-
-
-def init_model_parallel(tp_size: int, pp_size: int = 1, use_shm: bool = True) -> Layout:
-    """Arrange the world's ``tp_size * pp_size`` ranks in ``pp_size`` stages of ``tp_size`` TP ranks (world
-    rank = ``pp_rank * tp_size + tp_rank``, as vLLM's): one TP group per stage, made by every rank in the same
-    order (``dist.new_group`` is collective), each with its own shared-memory segment where it applies. At
-    PP 1 the world is the TP group (``init_tp_comm``). Every rank must call it; again with the same sizes, it
-    does nothing."""
-    world = dist.get_world_size()
-    if tp_size * pp_size != world:
-        raise ValueError(f"tensor_parallel_size={tp_size} x pipeline_parallel_size={pp_size} = "
-                         f"{tp_size * pp_size} ranks, but the process group has {world}")
-    if pp_size == 1:
-        init_tp_comm(use_shm)
-        return current_layout()
-    layout = current_layout()
-    if layout is not None and (layout.tp_size, layout.pp_size) == (tp_size, pp_size):
-        return layout
-    rank = dist.get_rank()
-    pp_rank, tp_rank, group = rank // tp_size, rank % tp_size, None
-    if tp_size > 1:                                # at TP 1 a stage runs no collective: no group to make
-        for stage in range(pp_size):
-            made = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
-            group = made if stage == pp_rank else group
-    comm = ShmComm(group) if group is not None and use_shm and shm_applies(group) else None
-    _set_layout(Layout(dist.group.WORLD, group, tp_rank, tp_size, pp_rank, pp_size, comm))
-    return _layout
 
 
 def _collective(name: str, impl, x: torch.Tensor, tp_size: int, *args) -> torch.Tensor:
@@ -265,3 +166,66 @@ def recv(x: torch.Tensor, src: int) -> torch.Tensor:
     else:
         dist.recv(x, src)
     return x
+
+
+def _ep(ep_size: int) -> Layout:
+    """The layout whose expert-parallel group (every rank, under data parallelism) has ``ep_size`` ranks."""
+    layout = current_layout()
+    if layout is None or layout.ep_group is None or layout.dp_size * layout.tp_size != ep_size:
+        raise RuntimeError(f"an exchange over ep_size={ep_size} ranks needs data parallelism set up over them "
+                           "(init_model_parallel(t, 1, d) with d x t = ep_size, as LLM(data_parallel_size=d) does)")
+    return layout
+
+
+def ep_all_gather(x: torch.Tensor, ep_size: int) -> torch.Tensor:
+    """Every rank's ``x`` over the expert-parallel group, stacked in rank order: ``(ep_size, *x.shape)``."""
+    if ep_size == 1:
+        return x.unsqueeze(0)
+    layout = _ep(ep_size)
+    comm = layout.ep_comm if layout.ep_comm is not None and layout.ep_comm.fits(x) else None
+    run = lambda: _all_gather(x.unsqueeze(0), comm, layout.ep_group, ep_size, 0)   # noqa: E731
+    return _recorded("all_gather", x, comm, run) if _recorders else run()
+
+
+def all_to_all(x: torch.Tensor, traffic: list[list[int]]) -> torch.Tensor:
+    """The experts' exchange over the expert-parallel group. ``traffic[i][j]``: the rows rank i sends rank j, the
+    same matrix on every rank (so that every rank takes the same path). ``x`` ``(sum(traffic[me]), ...)``: this
+    rank's rows grouped by destination, in rank order. Returns the rows sent to this rank, ``(sum over i of
+    traffic[i][me], ...)``, grouped by source in rank order. ``x`` itself at one rank.
+
+    gloo has ``all_to_all_single`` with split sizes (as NCCL has), so the process group path is that one call;
+    CPU ranks of one host exchange through shared memory (``ShmComm.all_to_all``) where every rank's rows fit."""
+    if len(traffic) == 1:
+        return x
+    layout = _ep(len(traffic))
+    me = layout.dp_rank * layout.tp_size + layout.tp_rank          # the world rank, at PP 1
+    if x.shape[0] != sum(traffic[me]):
+        raise ValueError(f"all_to_all: rank {me} has {x.shape[0]} rows, but the traffic sends {traffic[me]}")
+    comm = layout.ep_comm if layout.ep_comm is not None and layout.ep_comm.fits_all_to_all(x, traffic) else None
+    run = lambda: _all_to_all(x, comm, layout.ep_group, traffic, me)   # noqa: E731
+    if not _recorders:
+        return run()
+    others = (sum(traffic[me]) - traffic[me][me]) * math.prod(x.shape[1:]) * x.element_size()
+    return _recorded("all_to_all", x, comm, run, to_others=others)
+
+
+def _all_to_all(x: torch.Tensor, comm: ShmComm | None, group, traffic: list[list[int]], me: int) -> torch.Tensor:
+    if comm is not None:
+        return comm.all_to_all(x, traffic)
+    received = [row[me] for row in traffic]
+    out = x.new_empty((sum(received), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), received, traffic[me], group=group)
+    return out
+
+
+def dp_any(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank, under data parallelism (``flag`` itself without): one all-reduce of one
+    number over every rank, which the DP ranks run once a step to agree whether any of them has work."""
+    layout = current_layout()
+    if layout is None or layout.dp_size == 1:
+        return flag
+    x = torch.tensor([int(flag)], dtype=torch.int64)    # on the CPU: gloo's (under NCCL, the group's gloo side)
+    comm = layout.ep_comm
+    run = lambda: _all_reduce(x, comm, layout.ep_group)   # noqa: E731
+    total = _recorded("dp_any", x, comm, run) if _recorders else run()     # an all-reduce, recorded by its role
+    return bool(total.item() > 0)

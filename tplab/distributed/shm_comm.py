@@ -1,4 +1,4 @@
-"""All-reduce, all-gather and reduce-scatter through shared memory, for CPU ranks on one machine.
+"""All-reduce, all-gather, reduce-scatter and all-to-all through shared memory, for CPU ranks on one machine.
 
 gloo sends even a (1, hidden) tensor through TCP: about a millisecond per collective
 here, and a TP decode step needs two per layer. Ranks on one host can instead write
@@ -9,8 +9,12 @@ Protocol, per collective: rank r copies its tensor into slot r of buffer ``seq %
 then publishes ``seq`` in its counter. Once every counter reaches ``seq``, each rank
 reads all slots in rank order (so every rank computes the same sum, bit for bit).
 Two buffers suffice: a rank can only write buffer ``seq % 2`` again at ``seq + 2``,
-after every rank has published ``seq + 1``, i.e. finished reading ``seq``.
+after every rank has published ``seq + 1``, i.e. finished reading ``seq``. An all-to-all
+(the MoE experts' exchange) is the same step with rows of any number: rank r writes all
+its rows into slot r, grouped by destination, and each rank copies out its rows from
+every slot at offsets the traffic matrix (the same on every rank) gives.
 """
+import math
 import mmap
 import os
 import platform
@@ -75,9 +79,13 @@ class ShmComm:
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Publish ``x``; return every rank's tensor (views into the shared buffer), in rank order."""
         self._seq += 1
-        buffer = self._seq % 2
-        slots = self._slots(buffer, x)
+        slots = self._slots(self._seq % 2, x)
         slots[self.rank].copy_(x)
+        self._publish()
+        return slots
+
+    def _publish(self) -> None:
+        """Say this rank has written collective ``seq``'s part, and wait until every rank has."""
         self._seqs[self.rank] = self._seq          # after the copy: x86 keeps stores in order
         deadline, spins = time.monotonic() + self.timeout, 0
         while self._seqs.min() < self._seq:
@@ -87,7 +95,6 @@ class ShmComm:
                 if spins % 65536 == 0 and time.monotonic() > deadline:
                     raise TimeoutError(f"rank {self.rank}: peers did not reach collective {self._seq} "
                                        f"within {self.timeout:g} s (counters {self._seqs.tolist()})")
-        return slots
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         parts = self._exchange(x.contiguous())
@@ -101,6 +108,29 @@ class ShmComm:
     def fits(self, x: torch.Tensor) -> bool:
         """A CPU tensor that fits in one slot; anything else goes through the process group."""
         return x.device.type == "cpu" and x.numel() * x.element_size() <= SLOT_BYTES
+
+    def fits_all_to_all(self, x: torch.Tensor, traffic: list[list[int]]) -> bool:
+        """Whether every rank's rows (``traffic[i]``, rows shaped like ``x``'s) fit in its slot: decided from the
+        traffic matrix, which every rank has, so that every rank takes the same path."""
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        return x.device.type == "cpu" and max(map(sum, traffic)) * row_bytes <= SLOT_BYTES
+
+    def all_to_all(self, x: torch.Tensor, traffic: list[list[int]]) -> torch.Tensor:
+        """``x``: this rank's rows grouped by destination (``traffic[rank]`` rows for each rank, in rank order);
+        returns the rows every rank sent this one (``traffic[src][rank]``), grouped by source in rank order."""
+        self._seq += 1
+        buffer, rows = self._seq % 2, x.shape[1:]
+
+        def slot(src: int, num_rows: int) -> torch.Tensor:         # the first num_rows rows of rank src's slot
+            start = (buffer * self.world_size + src) * SLOT_BYTES
+            nbytes = num_rows * math.prod(rows) * x.element_size()
+            return self._data[start:start + nbytes].view(x.dtype).view(num_rows, *rows)
+
+        slot(self.rank, x.shape[0]).copy_(x)
+        self._publish()
+        offsets = [sum(sent[:self.rank]) for sent in traffic]       # where this rank's rows start in each slot
+        return torch.cat([slot(src, offsets[src] + sent[self.rank])[offsets[src]:]
+                          for src, sent in enumerate(traffic)])      # copied out before the next collective
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.cat(self._exchange(x.contiguous()), dim=dim)
