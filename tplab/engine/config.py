@@ -19,7 +19,7 @@ from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.rotary import check_rope_supported
 from tplab.models.loader import checkpoint_files
 from tplab.models.qwen2 import head_dim_of
-from tplab.models.registry import MODELS, check_tp_size, supported
+from tplab.models.registry import MODELS, check_dp_size, check_tp_size, supported
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -61,10 +61,14 @@ def load_model_config(model_dir):
     return config
 
 
-def check_pp_size(config, pp_size) -> None:
-    """A pipeline stage owns at least one layer: ``1 <= pipeline_parallel_size <= num_hidden_layers``."""
+def check_pp_size(config, pp_size, dp_size: int = 1) -> None:
+    """A pipeline stage owns at least one layer: ``1 <= pipeline_parallel_size <= num_hidden_layers``; and not
+    with data parallelism (not composed yet)."""
     if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
         raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pp_size!r}")
+    if pp_size > 1 and dp_size > 1:
+        raise ValueError(f"pipeline_parallel_size={pp_size} with data_parallel_size={dp_size}: tplab does not compose "
+                         "data-parallel attention with pipeline parallelism yet; use one of them")
     if pp_size > config.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size={pp_size} is more stages than the model's {config.num_hidden_layers} "
                          f"layers (num_hidden_layers): every stage needs a layer; use at most {config.num_hidden_layers}")
@@ -122,6 +126,7 @@ class EngineConfig:
     model: str                         # a checkpoint folder, or a hub id -> the local folder
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1    # stages, each a contiguous range of layers on its own TP ranks
+    data_parallel_size: int = 1        # DP ranks of t TP ranks, each its own requests (MoE: experts over all d t)
     dtype: torch.dtype | str = "float32"  # a name, a torch dtype or "auto" -> the torch dtype
     seed: int = 0
     bugs: tuple[str, ...] = ()         # pitfalls by name (tplab.bugs.NAMES)
@@ -139,7 +144,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
     sequence_parallel: bool = False    # TP > 1: reduce-scatter + all-gather over tokens instead of all-reduce
-    enable_expert_parallel: bool = False  # MoE: each TP rank holds num_experts / t whole experts (vLLM's name)
+    enable_expert_parallel: bool = False  # MoE: each rank holds num_experts / (d t) whole experts (vLLM's name)
     # decode steps at fixed shapes (engine.static_decode), replayed as CUDA graphs on a GPU
     enforce_eager: bool = False        # True: no CUDA graphs (vLLM's name)
     static_decode: bool | None = None  # pad decode steps to a bucket; None -> True where CUDA graphs run
@@ -150,6 +155,11 @@ class EngineConfig:
     malloc_tune: bool = field(default_factory=lambda: _env_flag("TPLAB_MALLOC_TUNE"))    # engine.malloc
     compile: bool = field(default_factory=lambda: _env_flag("TPLAB_COMPILE", "0"))  # torch.compile, engine.compiled
     hf_config: object = field(default=None, repr=False)  # None -> config.json's, as plain_config
+
+    @property
+    def world_size(self) -> int:
+        """Every rank: ``data_parallel_size x pipeline_parallel_size x tensor_parallel_size``."""
+        return self.data_parallel_size * self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
     def cuda_graphs(self) -> bool:
@@ -172,7 +182,8 @@ def _resolved(cfg: EngineConfig) -> dict:
     if not isinstance(cfg.enable_expert_parallel, bool):
         raise ValueError(f"enable_expert_parallel must be True or False, got {cfg.enable_expert_parallel!r}")
     check_tp_size(hf, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
-    check_pp_size(hf, cfg.pipeline_parallel_size)
+    check_dp_size(hf, cfg.data_parallel_size, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
+    check_pp_size(hf, cfg.pipeline_parallel_size, cfg.data_parallel_size)
     if not isinstance(cfg.seed, int):
         raise ValueError(f"seed must be an int, got {cfg.seed!r}")
     if isinstance(cfg.timeout, bool) or not isinstance(cfg.timeout, (int, float)) or not cfg.timeout > 0:
@@ -190,9 +201,8 @@ def _resolved(cfg: EngineConfig) -> dict:
                          f"pipeline_parallel_size={pp}: give at least {pp}")
     bugs = (cfg.bugs,) if isinstance(cfg.bugs, str) else tuple(cfg.bugs or ())
     parts = resolve(bugs, cfg.parts)
-    check_sequence_parallel(cfg.sequence_parallel, cfg.tensor_parallel_size, parts)
-    world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-    backend = dist.get_backend() if dist.is_initialized() else pick_backend(world, cfg.backend)
+    check_sequence_parallel(cfg.sequence_parallel, cfg.tensor_parallel_size, parts, cfg.data_parallel_size)
+    backend = dist.get_backend() if dist.is_initialized() else pick_backend(cfg.world_size, cfg.backend)
     dtype, device = resolve_dtype(cfg.dtype, hf), _device(cfg, backend)
     parts = _kernels_here(parts, device, dtype, hf)
     return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs, parts=parts, backend=backend,
@@ -253,11 +263,15 @@ def _say_once(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts) -> None:
+def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts, dp_size: int = 1) -> None:
     """Sequence parallelism reduce-scatters the row-parallel layers' partial sums, so at TP > 1 it needs a
-    ``row_linear`` that says it can return them (``tplab.layers.linear.ReturnsPartialSums``)."""
+    ``row_linear`` that says it can return them (``tplab.layers.linear.ReturnsPartialSums``); not with data
+    parallelism (not composed yet)."""
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    if sequence_parallel and dp_size > 1:
+        raise ValueError(f"sequence_parallel=True with data_parallel_size={dp_size}: tplab does not compose them "
+                         "yet; drop one")
     row = parts.row_linear
     if sequence_parallel and tp_size > 1 and not (isinstance(row, type) and issubclass(row, ReturnsPartialSums)):
         raise ValueError(f"sequence_parallel=True needs a row_linear that returns partial sums when built with "
@@ -268,7 +282,7 @@ def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts) -> No
 def _device(cfg: EngineConfig, backend: str) -> str:
     if cfg.device is not None:
         return str(cfg.device)
-    if cfg.tensor_parallel_size * cfg.pipeline_parallel_size == 1 and not dist.is_initialized():
+    if cfg.world_size == 1 and not dist.is_initialized():
         return "cuda" if torch.cuda.is_available() else "cpu"
     return "cuda" if "nccl" in backend else "cpu"
 

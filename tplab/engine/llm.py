@@ -1,9 +1,10 @@
 """``LLM``: the user-facing engine, as in vLLM's offline API.
 
-TP 1 runs in this process. TP > 1 (or PP > 1) starts ``tensor_parallel_size x pipeline_parallel_size``
-rank processes with ``tplab.distributed.RankGroup``, each holding a ``Worker`` with the same engine; this
-process only tokenizes, checks input and collects rank 0's answer. Under ``torchrun`` (a
-process group already initialised) every rank runs the engine in-process.
+TP 1 runs in this process. TP > 1 (or PP > 1, or DP > 1) starts ``data_parallel_size x pipeline_parallel_size
+x tensor_parallel_size`` rank processes with ``tplab.distributed.RankGroup``, each holding a ``Worker`` with the
+same engine; this process only tokenizes, checks input and collects rank 0's answer (under data parallelism,
+splits the prompts between the DP ranks and puts every DP rank's answers back in prompt order). Under
+``torchrun`` (a process group already initialised) every rank runs the engine in-process.
 """
 import sys
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from tplab.distributed.launcher import RankGroup
 from tplab.engine.config import engine_config
+from tplab.engine.data_parallel import in_prompt_order, split_prompts
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.worker import Worker
 
@@ -38,14 +40,21 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def check_world(tp: int, pp: int, world: int) -> None:
-    """Under torchrun the ranks are given: ``tensor_parallel_size x pipeline_parallel_size`` must be all of them."""
-    if tp * pp != world:
-        hint = (f"pass tensor_parallel_size={world}" if pp == 1 else
-                f"pass sizes whose product is {world}, e.g. tensor_parallel_size={world // pp} with "
-                f"pipeline_parallel_size={pp}" if world % pp == 0 else f"pass sizes whose product is {world}")
-        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} ranks, but the "
-                         f"process group has {world} ranks: {hint} under torchrun")
+def check_world(tp: int, pp: int, world: int, dp: int = 1) -> None:
+    """Under torchrun the ranks are given: ``tensor_parallel_size x pipeline_parallel_size`` (x
+    ``data_parallel_size``) must be all of them."""
+    if tp * pp * dp == world:
+        return
+    others = [f"{name}={size}" for name, size in (("pipeline_parallel_size", pp), ("data_parallel_size", dp))
+              if size > 1 or name[0] == "p"]
+    given = "".join(f" x {size}" for size in others)
+    hint = f"pass sizes whose product is {world}"
+    if pp * dp == 1:
+        hint = f"pass tensor_parallel_size={world}"
+    elif world % (pp * dp) == 0:
+        hint += f", e.g. tensor_parallel_size={world // (pp * dp)} with {' and '.join(others)}"
+    raise ValueError(f"tensor_parallel_size={tp}{given} = {tp * pp * dp} ranks, but the process group has {world} "
+                     f"ranks: {hint} under torchrun")
 
 
 class LLM:
@@ -62,14 +71,14 @@ class LLM:
         self.timeout = self.config.timeout
         self._group = self._worker = None
         self._why_down = ""
-        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        tp, pp, dp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size, self.config.data_parallel_size
         if dist.is_initialized():                       # torchrun: this process is one of the ranks
-            check_world(tp, pp, dist.get_world_size())
+            check_world(tp, pp, dist.get_world_size(), dp)
             self._worker = Worker(self.config)
-        elif tp * pp == 1:                              # one rank: this process
+        elif self.config.world_size == 1:               # one rank: this process
             self._worker = Worker(self.config)
-        else:                                           # t x p ranks: stage s holds world ranks s*t .. s*t+t-1
-            self._group = RankGroup(tp * pp, backend=self.config.backend, timeout=self.timeout)
+        else:               # t x p (or t x d) ranks: stage s (or DP rank s) holds world ranks s*t .. s*t+t-1
+            self._group = RankGroup(self.config.world_size, backend=self.config.backend, timeout=self.timeout)
         try:
             if self._group is not None:
                 self._group.create(Worker, (self.config,), timeout=self.timeout)
@@ -99,7 +108,13 @@ class LLM:
         self._check_lengths(token_lists, params)
         if use_tqdm is None:
             use_tqdm = len(token_lists) > 1 and sys.stderr.isatty()
-        results = self._call(Worker.generate, token_lists, params, bool(use_tqdm))
+        dp = self.config.data_parallel_size
+        if dp == 1:
+            results = self._call(Worker.generate, token_lists, params, bool(use_tqdm))
+        else:               # each DP rank its share, by load; every answer back in prompt order
+            shares = split_prompts([len(ids) + p.max_tokens for ids, p in zip(token_lists, params)], dp)
+            answers = self._call_all(Worker.generate, token_lists, params, bool(use_tqdm), shares)
+            results = in_prompt_order(self._dp_firsts(answers), shares)
         return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
                 for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
 
@@ -120,8 +135,14 @@ class LLM:
 
     def stats(self) -> dict:
         """Cache and scheduler counters of rank 0: num_preemptions, prefix_cache_hit_blocks,
-        peak_kv_blocks_used, num_kv_blocks, kv_cache_bytes, ... (cumulative over generate calls)."""
-        return self._call(Worker.stats)
+        peak_kv_blocks_used, num_kv_blocks, kv_cache_bytes, ... (cumulative over generate calls). Under data
+        parallelism each counter is summed over the DP ranks (``block_size`` aside), and ``"dp_ranks"`` lists
+        each DP rank's own. Under torchrun every rank must call it then (it gathers)."""
+        if self.config.data_parallel_size == 1:
+            return self._call(Worker.stats)
+        ranks = self._dp_firsts(self._call_all(Worker.stats))
+        total = {k: v if k == "block_size" else sum(r[k] for r in ranks) for k, v in ranks[0].items()}
+        return {**total, "dp_ranks": ranks}
 
     def pipeline_timeline(self) -> list[list[dict]]:
         """Under pipeline parallelism, each stage's ticks in the last ``generate`` (from its TP rank 0), in stage
@@ -147,12 +168,28 @@ class LLM:
             if self._worker is None:
                 raise RuntimeError(f"this LLM was shut down{self._why_down}; create a new one")
             return method(self._worker, *args)
+        return self._call_all(method, *args)[0]
+
+    def _call_all(self, method, *args) -> list:
+        """``method(worker, *args)`` on every rank; every rank's answer, in rank order (under torchrun gathered
+        from every process)."""
+        if self._group is None:
+            mine = self._call(method, *args)
+            if not dist.is_initialized():
+                return [mine]
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            return every
         try:
-            return self._group.call(method, args, timeout=self.timeout)[0]
+            return self._group.call(method, args, timeout=self.timeout)
         except BaseException as e:  # RankGroup already stopped every rank; this LLM cannot go on
             self._why_down = f" after {type(e).__name__} in a rank call"
             self.shutdown()
             raise
+
+    def _dp_firsts(self, per_rank: list) -> list:
+        """The answers of each DP rank's first rank (world rank ``r x tensor_parallel_size``), in DP rank order."""
+        return per_rank[::self.config.tensor_parallel_size]
 
     def shutdown(self) -> None:
         """Stop the ranks (or drop the in-process engine) and free their memory."""

@@ -1,9 +1,10 @@
 """The engine as one rank runs it: build this rank's shard, load its slices, serve requests.
 
-Every rank runs the same scheduler on the same requests with the same number of KV
+Every rank of a TP group runs the same scheduler on the same requests with the same number of KV
 blocks (SPMD), so they make the same decisions step for step; the only
 communication is inside the model's collectives (and, under pipeline parallelism,
-between stages: ``tplab.engine.pipeline_loop``).
+between stages: ``tplab.engine.pipeline_loop``). Under data parallelism each DP rank's TP group
+serves its own requests; an MoE model's DP ranks step together (``tplab.engine.data_parallel``).
 """
 import dataclasses
 import functools
@@ -12,12 +13,14 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from tplab.distributed.parallel_state import init_model_parallel, pp_rank_and_size, tp_rank_and_size
+from tplab.distributed.parallel_state import dp_any, init_model_parallel, pp_rank_and_size, tp_rank_and_size
 from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import KVCacheSpec, ModelRunner
+from tplab.engine.data_parallel import DataParallelStage
 from tplab.engine.pipeline_loop import OneStage, PipelineLoop, check_stages
+from tplab.engine.progress import Progress
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
@@ -28,7 +31,7 @@ from tplab.layers.attention import kv_cache_shape
 from tplab.kernels.gemm import one_row_keeps_plain
 from tplab.layers.linear_method import process_weights_after_loading
 from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
-from tplab.models.registry import model_class
+from tplab.models.registry import model_class, steps_in_lockstep
 
 
 def eos_token_ids(hf_config) -> frozenset[int]:
@@ -93,7 +96,7 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
     pp = cfg.pipeline_parallel_size
     if cfg.num_kv_blocks is not None:       # at least pp: engine.config checks
         return cfg.num_kv_blocks // pp
-    budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.tensor_parallel_size * pp)
+    budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.world_size)
     if cfg.cuda_graphs and cfg.kv_cache_memory is None:        # the graphs' pool comes out of the same memory
         budget -= graph_memory_bound(cfg)
     budget //= pp
@@ -130,27 +133,6 @@ def graph_memory_bound(cfg: EngineConfig) -> int:
                                head_dim_of(hf), cfg.dtype)
 
 
-class Progress:
-    """vLLM's bar: prompts finished, and the input and output token rates so far."""
-
-    def __init__(self, seqs: list[Sequence]):
-        from tqdm.auto import tqdm
-        self.bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True,
-                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
-        self.num_in = self.num_out = 0
-
-    def finished(self, seq: Sequence) -> None:
-        self.num_in += seq.num_prompt_tokens
-        self.num_out += len(seq.output_token_ids)
-        elapsed = self.bar.format_dict["elapsed"] or 1e-9
-        self.bar.postfix = (f"est. speed input: {self.num_in / elapsed:.2f} toks/s, "
-                            f"output: {self.num_out / elapsed:.2f} toks/s")
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 class LLMEngine:
     """One rank's engine: the model shard, its paged KV cache, the scheduler and the step loop."""
 
@@ -158,8 +140,8 @@ class LLMEngine:
         self.cfg, self.device = cfg, torch.device(device)
         if self.device.type == "cpu" and cfg.malloc_tune:
             keep_freed_memory()            # activations reuse mapped pages instead of faulting in new ones
-        if dist.is_initialized():          # the stages' TP groups (at PP 1 the world, as launch has done)
-            init_model_parallel(cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
+        if dist.is_initialized():          # the stages' (or DP ranks') TP groups; at PP 1 and DP 1 the world
+            init_model_parallel(cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.data_parallel_size)
         self.model, self.load_report = build_model(cfg, self.device)
         if cfg.check_finite:
             install_finite_check(self.model)
@@ -178,8 +160,10 @@ class LLMEngine:
         # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
         self.schedulers = [self._scheduler() for _ in range(pp)]
         self.scheduler, self.block_manager = self.schedulers[0], self.schedulers[0].block_manager
+        # an MoE model's DP ranks step together: one with nothing to run joins the experts' exchanges
+        self.lockstep = steps_in_lockstep(cfg.hf_config, cfg.data_parallel_size)
         self.stages = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype) if pp > 1
-                       else OneStage(self.runner))
+                       else DataParallelStage(self.runner) if self.lockstep else OneStage(self.runner))
         self.in_flight: list[tuple[int, list[Sequence]] | None] = [None] * pp   # (tick scheduled, batch) per engine
         self.num_ticks = self.num_idle = 0
         self.num_steps = 0                 # batches run to the end (postprocessed)
@@ -191,17 +175,21 @@ class LLMEngine:
         return Scheduler(blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens or default_batched_tokens(self.device),
                          eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False) -> list[Sequence]:
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False,
+                 indices: list[int] | None = None) -> list[Sequence]:
         """Serve every prompt with continuous batching; returns the finished sequences in prompt order.
-        ``use_tqdm``: rank 0 draws a progress bar on stderr (the driver's, which the ranks share)."""
-        seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, (p, sp) in enumerate(zip(prompts, params))]
+        ``use_tqdm``: rank 0 draws a progress bar on stderr (the driver's, which the ranks share). ``indices``:
+        the prompts' places in the caller's list (a DP rank's share), which seed their sampling; default 0, 1, ...
+        Under lockstep (``data_parallel``) it steps until no DP rank has work, with nothing of its own too."""
+        indices = range(len(prompts)) if indices is None else indices
+        seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, p, sp in zip(indices, prompts, params)]
         bar = Progress(seqs) if use_tqdm and (not dist.is_initialized() or dist.get_rank() == 0) else None
         self.runner.metadata.clear()           # sequence ids start again at 0 in every call
         self.stages.timeline = []
         for seq in seqs:
             self.add_request(seq)
         with torch.inference_mode():
-            while self.has_unfinished():
+            while dp_any(self.has_unfinished()) if self.lockstep else self.has_unfinished():
                 for seq in self.step():
                     self.runner.forget(seq)
                     if bar is not None:
@@ -229,7 +217,7 @@ class LLMEngine:
         if self.in_flight[v] is None and self.schedulers[v].has_work():
             batch = self.schedulers[v].schedule()                          # 1. schedule
             self.in_flight[v] = (tick, batch) if batch else None
-        self.num_idle = 0 if any(self.in_flight) else self.num_idle + 1
+        self.num_idle = self.num_idle + 1 if self.has_unfinished() and not any(self.in_flight) else 0
         if self.num_idle > p:
             raise RuntimeError("requests are left but no scheduler could schedule a batch")
         done = self.stages.run(tick, self.in_flight)                       # 2. run: (engine, sampled tokens)

@@ -2,11 +2,13 @@
 
 At TP > 1 every rank process keeps one ``Worker`` (``RankGroup.create``) and ``LLM`` calls its
 methods on all ranks at once (``RankGroup.call``), as vLLM's driver calls its workers. At TP 1
-and under torchrun ``LLM`` holds its ``Worker`` itself and calls the same methods directly.
+and under torchrun ``LLM`` holds its ``Worker`` itself and calls the same methods directly. Under data
+parallelism every rank is sent every prompt and the driver's split, and serves its DP rank's share.
 """
 import torch.distributed as dist
 
 from tplab.distributed.launcher import rank_device
+from tplab.distributed.parallel_state import dp_rank_and_size
 from tplab.engine.config import EngineConfig
 from tplab.engine.llm_engine import LLMEngine
 from tplab.engine.sampling import SamplingParams
@@ -25,10 +27,14 @@ class Worker:
                 "elements_read": engine.load_report.elements_read,      # from the checkpoint files
                 "num_kv_blocks": engine.runner.num_blocks}
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 use_tqdm: bool = False) -> list[tuple[list[int], list[float], str]]:
-        """One generate call on this rank: ``[(output token ids, logprobs, finish reason)]``."""
-        seqs = self.engine.generate(prompts, params, use_tqdm)
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False,
+                 shares: list[list[int]] | None = None) -> list[tuple[list[int], list[float], str]]:
+        """One generate call on this rank: ``[(output token ids, logprobs, finish reason)]`` for every prompt, or
+        under data parallelism for those of ``shares[dp_rank]`` (indices into ``prompts``, the driver's split)."""
+        if shares is not None:
+            mine = shares[dp_rank_and_size()[0]]
+            prompts, params = [prompts[i] for i in mine], [params[i] for i in mine]
+        seqs = self.engine.generate(prompts, params, use_tqdm, None if shares is None else mine)
         return [(s.output_token_ids, s.logprobs, s.finish_reason) for s in seqs]
 
     def stats(self) -> dict:

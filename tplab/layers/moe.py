@@ -14,12 +14,20 @@ MLP is (gate and up column parallel over I, down row parallel), so ``out`` sums 
 of every expert. With ``enable_expert_parallel`` each rank holds E / t whole experts and runs only the
 tokens routed to them; every rank sees every token, so ``out`` sums this rank's experts. Either way one
 all-reduce completes it, and an MoE block adds its shared expert's partial sum before that one all-reduce.
+
+Under data parallelism (d DP ranks of t TP ranks, ``dp_size`` d) each DP rank has tokens of its own, and
+the E experts are spread over all d t ranks (E / (d t) each), so tokens travel (``forward_all_to_all``):
+    this TP rank's 1/t of its DP rank's tokens -> (token, expert) pairs sorted by expert = by owner rank
+    counts (E,) all-gathered -> everyone knows who sends whom how many rows (the traffic matrix)
+    all-to-all: each pair's x to its expert's rank (dispatch) -> the expert MLPs -> all-to-all back (combine)
+    out[its tokens] += weight * y, in fp32; the other rows stay 0, and the block's TP all-reduce fills them.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.distributed.parallel_state import all_reduce, divide, tp_rank_and_size
+from tplab.distributed.parallel_state import (all_reduce, all_to_all, divide, dp_rank_and_size, ep_all_gather,
+                                             tp_rank_and_size)
 from tplab.layers.weights import copy_into, expect_shape
 
 
@@ -41,35 +49,45 @@ class FusedMoE(nn.Module):
     Contract of ``Parts.experts`` (what a replacement keeps):
     - ``__init__(num_experts, top_k, hidden_size, intermediate_size, renormalize=False, reduce_results=True,
       tp_rank=None, tp_size=None, enable_expert_parallel=False)``: full sizes; ``renormalize`` is HF's
-      ``norm_topk_prob`` (the k weights divided by their sum).
+      ``norm_topk_prob`` (the k weights divided by their sum). Under data parallelism the block also passes
+      ``dp_rank`` and ``dp_size`` (None: this process's), and ``enable_expert_parallel`` is True.
     - ``gate_up_proj``: ``(E_local, 2 I_local, H)``, each expert's rows laid out ``[gate | up]``, and
       ``down_proj``: ``(E_local, H, I_local)``; both carry ``weight_loader``. Without expert parallelism
-      ``E_local = E`` and ``I_local = I / tp_size``; with it ``E_local = E / tp_size`` (rank r holds experts
-      ``r E_local .. (r + 1) E_local - 1``) and ``I_local = I``.
+      ``E_local = E`` and ``I_local = I / tp_size``; with it ``E_local = E / ep_size`` over ``ep_size = dp_size x
+      tp_size`` ranks (rank ``r = dp_rank x tp_size + tp_rank`` holds experts ``r E_local .. (r + 1) E_local - 1``)
+      and ``I_local = I``.
     - ``weight_loader(param, loaded, shard_id, expert_id)``: ``loaded`` is expert ``expert_id``'s full
       checkpoint tensor (or a lazy slice of it): ``gate_proj`` (shard_id 0) or ``up_proj`` (1), ``(I, H)``,
       into ``gate_up_proj``; ``down_proj`` (shard_id None), ``(H, I)``. An expert another rank holds: return
       without reading it.
     - ``forward(x, router_logits)``: ``x`` ``(T, H)``, ``router_logits`` ``(T, E)`` -> ``(T, H)``, the sum over
       each token's top-k experts weighted as HF weights them; all-reduced, or with ``reduce_results=False``
-      this rank's partial sum (the caller reduces it).
+      this rank's partial sum (the caller reduces it over TP). Under data parallelism every rank of every DP
+      rank calls it once per MoE layer and step, with zero tokens where it has none (the exchange needs all).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool = False, reduce_results: bool = True, tp_rank=None, tp_size=None,
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False, dp_rank=None, dp_size=None):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
+        self.dp_rank, self.dp_size = dp_rank_and_size(dp_rank, dp_size)
+        if self.dp_size > 1 and not enable_expert_parallel:
+            raise ValueError(f"dp_size={self.dp_size}: data-parallel ranks share the experts by expert parallelism "
+                             "only; build the layer with enable_expert_parallel=True")
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.intermediate_size, self.renormalize, self.reduce_results = intermediate_size, renormalize, reduce_results
-        if enable_expert_parallel:           # E / t whole experts on each rank
-            self.num_local_experts = divide(num_experts, self.tp_size, "num_experts")
+        # the ranks the experts are spread over: every rank of every DP rank (only this TP group's without DP)
+        self.ep_size = self.dp_size * self.tp_size if enable_expert_parallel else 1
+        self.ep_rank = self.dp_rank * self.tp_size + self.tp_rank if enable_expert_parallel else 0
+        if enable_expert_parallel:           # E / (d t) whole experts on each rank
+            self.num_local_experts = divide(num_experts, self.ep_size, "num_experts")
             self.intermediate_size_per_partition, self.expert_tp_rank = intermediate_size, 0
         else:                                # every expert, each split over the ranks
             self.num_local_experts = num_experts
             self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size, "intermediate_size")
             self.expert_tp_rank = self.tp_rank
-        first = self.tp_rank * self.num_local_experts if enable_expert_parallel else 0
+        first = self.ep_rank * self.num_local_experts
         self.local_experts = range(first, first + self.num_local_experts)  # global ids of this rank's experts
         e, i = self.num_local_experts, self.intermediate_size_per_partition
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
@@ -117,12 +135,51 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.select_experts(router_logits, x.dtype)          # (T, k) each
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # summed in fp32, as HF sums the k
-        for local, rows, slots in self.dispatch(ids):
-            y = self.expert_mlp(local, x.index_select(0, rows))             # (n_e, H)
-            out.index_add_(0, rows, (y * weights[rows, slots].unsqueeze(-1)).float())   # combine
+        if self.dp_size > 1:                                                # tokens travel to the experts
+            out = self.forward_all_to_all(x, weights, ids)
+        else:
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)   # summed in fp32, as HF sums the k
+            for local, rows, slots in self.dispatch(ids):
+                y = self.expert_mlp(local, x.index_select(0, rows))         # (n_e, H)
+                out.index_add_(0, rows, (y * weights[rows, slots].unsqueeze(-1)).float())   # combine
         out = out.to(x.dtype)                                                # (T, H)
         return all_reduce(out, self.tp_size) if self.reduce_results else out
+
+    def token_share(self, num_tokens: int) -> slice:
+        """The rows of a step's tokens this TP rank sends to the experts under data parallelism: its ``1 / t``
+        (every TP rank of a DP rank holds the same tokens; each sends a share, so none is sent twice)."""
+        per_rank = -(-num_tokens // self.tp_size)
+        start = min(num_tokens, self.tp_rank * per_rank)
+        return slice(start, min(num_tokens, start + per_rank))
+
+    def forward_all_to_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Under data parallelism: this TP rank's share of the tokens to their experts' ranks and back (fp32 ``(T,
+        H)``, zero outside the share). Every rank takes part, with no tokens too, or the others would wait."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # (T, H)
+        share = self.token_share(x.shape[0])
+        x, weights, ids = x[share], weights[share].flatten(), ids[share].flatten()   # (T_r, H), (T_r k,) twice
+        pairs = ids.argsort(stable=True)             # (P,) pairs by expert, so by the rank that holds it
+        tokens, experts = pairs // self.top_k, ids[pairs]
+        counts = torch.bincount(experts, minlength=self.num_experts)        # (E,) pairs per expert
+        plan = ep_all_gather(counts, self.ep_size).view(self.ep_size, self.ep_size, self.num_local_experts)
+        traffic = plan.sum(-1).tolist()              # traffic[i][j]: rows rank i sends rank j, known to all
+        received = all_to_all(x.index_select(0, tokens), traffic)          # (R, H): by source, then expert
+        y = self.run_received(received, plan[:, self.ep_rank])
+        back = all_to_all(y, [list(col) for col in zip(*traffic)])          # (P, H): in the order sent
+        out[share].index_add_(0, tokens, (back * weights[pairs].unsqueeze(-1)).float())   # combine
+        return out
+
+    def run_received(self, received: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the rows it received ``(R, H)``: ``counts[src, e]`` rows from rank ``src`` for
+        local expert ``e``, grouped by source then expert. Returns each row's expert output ``(R, H)``."""
+        local = torch.arange(self.num_local_experts, device=received.device).repeat(counts.shape[0])
+        expert_of_row = local.repeat_interleave(counts.flatten())          # (R,)
+        y = torch.empty_like(received)
+        for e in range(self.num_local_experts):
+            rows = (expert_of_row == e).nonzero().squeeze(1)
+            if rows.numel():
+                y[rows] = self.expert_mlp(e, received.index_select(0, rows))
+        return y
 
 
 def make_expert_params_mapping(num_experts: int) -> list[tuple[str, str, int, int | None]]:

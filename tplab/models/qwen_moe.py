@@ -7,7 +7,10 @@ Per MoE block on each rank (T tokens, hidden size H, E experts, top k; ``tplab.l
              (Qwen2-MoE) + sigmoid(shared_expert_gate(x)) (T, 1) * shared_expert(x): a TP-split MLP's partial sum
              -> one all-reduce (T, H)      (under sequence parallelism: the partial sums, reduce-scattered by the layer)
 As vLLM does, the experts and the shared expert are summed on each rank and reduced once. The shared expert
-is split by TP in both placements; the router and the shared expert's gate are whole on every rank.
+is split by TP in both placements; the router and the shared expert's gate are whole on every rank. Under data
+parallelism (``data_parallel_size``) the experts are spread over every rank and the tokens travel to them by
+all-to-all (``FusedMoE.forward_all_to_all``); the shared expert stays within the DP rank's TP group, and a DP
+rank with nothing to run joins the exchanges with no tokens (``dummy_forward``).
 
 A layer is sparse as HF decides (``is_moe_layer``): not in ``mlp_only_layers``, and ``(i + 1)`` a multiple of
 ``decoder_sparse_step``; the others keep a dense MLP of ``intermediate_size``. The checkpoint names every
@@ -18,7 +21,7 @@ expert's tensors (``mlp.experts.3.gate_proj.weight``, as the Hub's files do); th
 import torch
 from torch import nn
 
-from tplab.distributed.parallel_state import all_reduce
+from tplab.distributed.parallel_state import all_reduce, dp_rank_and_size
 from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.moe import ReplicatedLinear, make_expert_params_mapping
 from tplab.models.qwen2 import Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2MLP
@@ -41,10 +44,12 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         super().__init__()
         self.tp_size, self.sequence_parallel = tp_size, sequence_parallel
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
+        dp_rank, dp_size = dp_rank_and_size()       # under data parallelism the experts part is told (else not)
+        data_parallel = {"dp_rank": dp_rank, "dp_size": dp_size} if dp_size > 1 else {}
         self.experts = parts.experts(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                      config.moe_intermediate_size, renormalize=bool(config.norm_topk_prob),
                                      reduce_results=False, tp_rank=tp_rank, tp_size=tp_size,
-                                     enable_expert_parallel=enable_expert_parallel)
+                                     enable_expert_parallel=enable_expert_parallel, **data_parallel)
         # The shared expert's partial sum joins the experts' before the one all-reduce where its down_proj can
         # hand one back (a ReturnsPartialSums row_linear); another row_linear reduces it, and it is added after.
         row = parts.row_linear
@@ -90,6 +95,17 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         super().__init__(config, parts, tp_rank, tp_size, sequence_parallel, pp_rank, pp_size, enable_expert_parallel)
         self.enable_expert_parallel = enable_expert_parallel
         self.expert_params_mapping = make_expert_params_mapping(config.num_experts)
+
+    def dummy_forward(self) -> None:
+        """A step of a data-parallel rank with nothing to run (vLLM's dummy batch): every MoE layer's experts on
+        zero tokens, in layer order, so that the exchanges of the ranks with tokens find this rank there. Nothing
+        else in a layer crosses DP ranks (attention, the shared expert and their all-reduces stay in the TP group,
+        whose ranks are all idle together), so nothing else runs."""
+        for i in self.stage.layers:
+            if is_moe_layer(self.config, i):
+                block = self.model.layers[i].mlp
+                x = block.gate.weight.new_empty(0, self.config.hidden_size)       # (0, H)
+                block.experts(x, block.gate(x))
 
     @classmethod
     def tp_split_sizes(cls, config, enable_expert_parallel: bool = False) -> dict[str, int]:

@@ -2,12 +2,12 @@
 
 Every class takes the same arguments (``Qwen2ForCausalLM``'s) and says which of the config's sizes tensor
 parallelism splits (``tp_split_sizes``); ``check_tp_size`` holds a TP size (and ``enable_expert_parallel``)
-against them before any rank starts, and names the sizes that work.
+against them before any rank starts, and names the sizes that work; ``check_dp_size`` a data-parallel size.
 """
 from tplab.layers.linear import check_heads_divisible, valid_tp_sizes
 from tplab.models.qwen2 import Qwen2ForCausalLM
 from tplab.models.qwen3 import Qwen3ForCausalLM
-from tplab.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from tplab.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, is_moe_layer
 
 MODELS = {
     "qwen2": Qwen2ForCausalLM,         # Qwen2, Qwen2.5
@@ -50,3 +50,37 @@ def check_tp_size(config, tp_size: int, enable_expert_parallel: bool = False) ->
         if tp_size in plain:
             sizes = f"{sizes}; or drop enable_expert_parallel (each expert is then split over the {tp_size} ranks)"
     raise ValueError(f"tensor_parallel_size={tp_size} does not work: {why}. TP sizes that work: {sizes}")
+
+
+def has_experts(config) -> bool:
+    """Whether the checkpoint's model has MoE layers (an MoE model type with at least one sparse layer)."""
+    return (issubclass(model_class(config.model_type), Qwen2MoeForCausalLM)
+            and any(is_moe_layer(config, i) for i in range(config.num_hidden_layers)))
+
+
+def steps_in_lockstep(config, dp_size: int) -> bool:
+    """Whether data-parallel ranks must step together: their forward passes exchange tokens (the experts are
+    spread over all of them). A dense model's DP ranks are replicas that never talk."""
+    return dp_size > 1 and has_experts(config)
+
+
+def check_dp_size(config, dp_size: int, tp_size: int, enable_expert_parallel: bool) -> None:
+    """``data_parallel_size`` d: a dense model runs d replicas; an MoE model serves attention data-parallel with
+    its experts spread over all ``d x tensor_parallel_size`` ranks, which needs ``enable_expert_parallel`` and
+    ``num_experts`` divisible by ``d x t``."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"data_parallel_size must be an int >= 1, got {dp_size!r}")
+    if dp_size == 1 or not has_experts(config):
+        return
+    experts, ranks = config.num_experts, dp_size * tp_size
+    if not enable_expert_parallel:
+        raise ValueError(f"data_parallel_size={dp_size} on an MoE model ({experts} experts) spreads the experts over "
+                         f"all {dp_size} x {tp_size} = {ranks} ranks, which tplab does by expert parallelism only: "
+                         "pass enable_expert_parallel=True (or data_parallel_size=1; vLLM can also split each "
+                         "expert over the ranks, tplab does not)")
+    if experts % ranks:
+        sizes = [d for d in range(1, experts + 1) if experts % (d * tp_size) == 0]
+        fix = (f"with tensor_parallel_size={tp_size} use data_parallel_size in {sizes}" if sizes else
+               f"no data_parallel_size works with tensor_parallel_size={tp_size}: use one that divides {experts}")
+        raise ValueError(f"data_parallel_size={dp_size} x tensor_parallel_size={tp_size} = {ranks} ranks share the "
+                         f"experts whole, and the {experts} experts (num_experts) do not divide by {ranks}: {fix}")
