@@ -2,9 +2,10 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/tiny_stories/check.py [folder]
 
-Loads the folder with ``AutoTokenizer`` and ``Qwen2ForCausalLM``, checks that
+Loads the folder with ``AutoTokenizer`` and ``AutoModelForCausalLM``, checks that
 the special-token ids agree between tokenizer, config and generation config,
 prints greedy continuations of three prompts and the folder size.
+``scripts/tiny_moe/check.py`` runs the same checks on the MoE model, then its own.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer, Qwen2ForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 DEFAULT = Path(__file__).resolve().parents[2] / "tplab" / "models" / "tiny_stories"
 PROMPTS = ["Once upon a time", "Lily went to the", "One day, Tom and his dad"]
 
 
-def main():
-    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT
+def main(folder=None):
+    """Check ``folder`` (the command line's, else the shipped one); returns its (tokenizer, model)."""
+    folder = Path(folder or (sys.argv[1] if len(sys.argv) > 1 else DEFAULT))
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(folder)
-    model = Qwen2ForCausalLM.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
     model.eval()
     cfg, gcfg = model.config, model.generation_config
     print(f"tokenizer: {type(tok).__name__}, {len(tok)} tokens; eos {tok.eos_token!r}={tok.eos_token_id}, "
@@ -64,6 +66,7 @@ def main():
     print(f"folder {folder}: {size / 1e6:.2f} MB ({size} bytes) in "
           f"{sum(1 for f in folder.iterdir() if f.is_file())} files")
     assert size <= 20 * 1000 * 1000, "folder is over 20 MB"
+    return tok, model
 
 
 if __name__ == "__main__":

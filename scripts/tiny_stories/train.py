@@ -67,8 +67,9 @@ from data import EOS, encode_stream, to_blocks, train_tokenizer  # noqa: E402
 from model import evaluate, lr_at, make_model, sample  # noqa: E402
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="Train the tiny Qwen2 story model.")
+def build_parser(description="Train the tiny Qwen2 story model."):
+    """The options of the recipe below; ``scripts/tiny_moe/train.py`` adds its own to them."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", default="tplab/models/tiny_stories", help="output folder")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-train", type=int, default=40000, help="training stories")
@@ -93,7 +94,11 @@ def parse_args(argv=None):
     ap.add_argument("--eval-blocks", type=int, default=48, help="validation blocks for in-run evals")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def recipe_text(args, vocab: int, model_vocab: int, n_params: int, n_train_tok: int, n_val_tok: int) -> str:
@@ -158,23 +163,16 @@ from one machine to another.
     (out / "README.md").write_text(text)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+PROMPTS = ["Once upon a time", "Lily went to the", "One day, Tom and his dad"]
 
-    # (a) corpus
+
+def prepare_data(args):
+    """The corpus and the tokenizer: (tok, eos_id, vocab, model_vocab, train_stream, val_stream), printed as made."""
+    t0 = time.time()
     train_texts, val_texts = corpus.make_splits(args.seed, args.n_train, args.n_val)
     print(f"corpus: {len(train_texts)} train / {len(val_texts)} val stories, "
           f"{len(corpus.sentences(train_texts))} distinct training sentences "
           f"({time.time() - t0:.1f}s)", flush=True)
-
-    # (b) tokenizer
     tok = train_tokenizer(train_texts, args.vocab_size)
     eos_id = tok.convert_tokens_to_ids(EOS)
     assert eos_id == 0, eos_id
@@ -184,18 +182,15 @@ def main(argv=None):
     model_vocab = max(args.vocab_size, -(-vocab // 64) * 64)
     train_stream = encode_stream(tok, train_texts, eos_id)
     val_stream = encode_stream(tok, val_texts, eos_id)
-    train_blocks = to_blocks(train_stream, args.seq_len)
-    val_blocks = to_blocks(val_stream, args.seq_len)
     print(f"tokenizer: vocab {vocab}; {train_stream.numel() / len(train_texts):.1f} tokens/story; "
-          f"{train_blocks.shape[0]} train blocks, {val_blocks.shape[0]} val blocks "
+          f"{train_stream.numel() // args.seq_len} train blocks, {val_stream.numel() // args.seq_len} val blocks "
           f"({time.time() - t0:.1f}s)", flush=True)
+    return tok, eos_id, vocab, model_vocab, train_stream, val_stream
 
-    # (c) model
-    model = make_model(args, model_vocab, eos_id)
-    n_params = sum(p.numel() for p in model.parameters())
-    recipe = recipe_text(args, vocab, model_vocab, n_params, train_stream.numel(), val_stream.numel())
-    print("=== recipe ===\n" + recipe + "\n==============", flush=True)
 
+def train(model, args, train_blocks, val_blocks, loss_fn=None):
+    """AdamW with warmup and cosine decay over ``args.steps`` batches; returns (final val loss, wall seconds).
+    ``loss_fn(model, x)``: the loss of a batch (the MoE adds its router's); by default the model's own."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if p.dim() >= 2 else no_decay).append(p)
@@ -221,7 +216,7 @@ def main(argv=None):
         lr = lr_at(step, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss = model(input_ids=x, labels=x).loss
+        loss = loss_fn(model, x) if loss_fn else model(input_ids=x, labels=x).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -242,8 +237,11 @@ def main(argv=None):
     final_val = evaluate(model, val_blocks, args.batch_size)
     print(f"final val_loss {final_val:.4f} nats/token on {val_blocks.shape[0]} blocks "
           f"(ppl {math.exp(final_val):.3f}); training wall time {train_wall / 60:.1f} min", flush=True)
+    return final_val, train_wall
 
-    # (e) save
+
+def save(model, tok, out: Path, eos_id: int):
+    """config.json, generation_config.json, model.safetensors and the tokenizer files into ``out``."""
     from transformers import GenerationConfig
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
@@ -257,8 +255,28 @@ def main(argv=None):
     tc = json.loads(tc_path.read_text())
     tc["tokenizer_class"] = "Qwen2Tokenizer"
     tc_path.write_text(json.dumps(tc, indent=2) + "\n")
-    prompts = ["Once upon a time", "Lily went to the", "One day, Tom and his dad"]
-    samples = sample(model, tok, prompts)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    tok, eos_id, vocab, model_vocab, train_stream, val_stream = prepare_data(args)
+    model = make_model(args, model_vocab, eos_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    recipe = recipe_text(args, vocab, model_vocab, n_params, train_stream.numel(), val_stream.numel())
+    print("=== recipe ===\n" + recipe + "\n==============", flush=True)
+    val_blocks = to_blocks(val_stream, args.seq_len)
+    final_val, train_wall = train(model, args, to_blocks(train_stream, args.seq_len), val_blocks)
+
+    save(model, tok, out, eos_id)
+    samples = sample(model, tok, PROMPTS)
     for s in samples:
         print("---\n" + s, flush=True)
     total_wall = time.time() - t0
