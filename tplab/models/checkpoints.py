@@ -1,5 +1,5 @@
 """Checkpoints the workbook can use with no download: random Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE models of
-any shape, and the shipped tiny model trained on generated stories."""
+any shape, and the shipped tiny models trained on generated stories (dense Qwen2 and Qwen3-MoE)."""
 from pathlib import Path
 
 import torch
@@ -74,8 +74,17 @@ def _save_random(config_class, model_class, settings: dict, out_dir, seed: int) 
 
 def tiny_stories() -> Path:
     """The shipped tiny Qwen2 trained on generated short stories (HF folder with tokenizer)."""
-    path = Path(__file__).parent / "tiny_stories"
+    return _shipped("tiny_stories")
+
+
+def tiny_moe() -> Path:
+    """The shipped tiny Qwen3-MoE (8 experts, top 2) trained on the same stories, with the same tokenizer."""
+    return _shipped("tiny_moe")
+
+
+def _shipped(name: str) -> Path:
+    path = Path(__file__).parent / name
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"the shipped model is missing from {path}; retrain it with "
-                                "scripts/tiny_stories/train.py (see the README)")
+                                f"scripts/{name}/train.py (see the README)")
     return path
