@@ -28,9 +28,10 @@ def test_names_cover_the_pitfalls_of_the_review_notes_and_say_which():
                                "shard_dim1", "qkv_presized", "kv_cache_repeated", "decode_position_offby1",
                                "lm_head_missing", "lm_head_random", "full_load_per_rank",
                                "sp_scatter_hidden", "sp_norm_twice", "pp_residual_not_sent", "pp_kv_every_layer",
+                               "moe_not_renormalized", "moe_global_ids", "moe_shared_expert_every_rank",
                                "graph_stale_inputs"}
     sp = {name for name in bugs.NAMES if name.startswith("sp_")}    # notebook 07's: from real SP code (test_bugs_sp)
-    real = {name for name in bugs.NAMES if name.startswith(("pp_", "graph_"))}   # and from real PP and graph code
+    real = {name for name in bugs.NAMES if name.startswith(("pp_", "moe_", "graph_"))}   # from real PP, MoE, graph code
     assert all("Review notes:" in bugs.describe(name) for name in set(bugs.NAMES) - sp - real)
     assert all("What goes wrong in SP code:" in bugs.describe(name) for name in sp)
     assert all("Where it comes from:" in bugs.describe(name) for name in real)

@@ -7,11 +7,13 @@ layers, the LM head, the positions function, the checkpoint loader); bugs that r
 different fields combine. ``tplab.engine.parts``, the one place where parts are resolved, finds
 them here by name (``BUGS``) when an engine asks for one. By area: ``attention``, ``rope``, ``sharding``, ``positions``,
 ``loading``, ``sequence_parallel`` and ``pipeline`` (notebook 07's: pitfalls of real SP and PP code rather than of
-the review notes), ``graphs`` (a CUDA graph's replay reading stale inputs).
+the review notes), ``moe`` (notebook 08's: experts spread over ranks), ``graphs`` (a CUDA graph's replay reading
+stale inputs).
 """
 from tplab.bugs.attention import RepeatedKVAttention, mask_mul_inf_attend, no_mask_with_cache_attend
 from tplab.bugs.graphs import StaleInputsDecode
 from tplab.bugs.loading import RandomLMHead, UnloadedLMHead, full_load_per_rank_load
+from tplab.bugs.moe import GlobalIdsMoE, NotRenormalizedMoE, SharedExpertEveryRankLinear
 from tplab.bugs.pipeline import KVEveryLayerStage, ResidualNotSentStage
 from tplab.bugs.positions import decode_with_positions, greedy_with_positions, offby1_token_positions
 from tplab.bugs.sequence_parallel import HiddenScatterNormRegion, NormTwiceNormRegion
@@ -45,6 +47,10 @@ BUGS = {
     # pipeline parallelism: the stage boundary, the KV cache of a stage
     "pp_residual_not_sent": {"pipeline_stage": ResidualNotSentStage},
     "pp_kv_every_layer": {"pipeline_stage": KVEveryLayerStage},
+    # mixture of experts (notebook 08): the router's weights, local vs global expert ids, the shared expert's sum
+    "moe_not_renormalized": {"experts": NotRenormalizedMoE},
+    "moe_global_ids": {"experts": GlobalIdsMoE},
+    "moe_shared_expert_every_rank": {"row_linear": SharedExpertEveryRankLinear},
     # decode steps at fixed shapes, replayed as CUDA graphs (with LLM(..., static_decode=True) on CPU)
     "graph_stale_inputs": {"static_decode": StaleInputsDecode},
 }

@@ -4,11 +4,14 @@ An engine is built from a ``Parts``: the layer classes and functions its Qwen2 m
 the function that gives a step's tokens their positions, the checkpoint loader, the block
 manager and the pipeline stage. ``resolve(bugs, parts)`` starts from tplab's own, swaps in the named pitfalls
 (``LLM(bugs=[...])``, found by name in ``tplab.bugs``) and a learner's own parts
-(``LLM(parts={...})``), and refuses two replacements of the same field. It runs once, in the
+(``LLM(parts={...})``), and refuses two replacements of the same field. The experts' exchange under data
+parallelism (``moe_dispatch``, ``moe_combine``) is called by the experts, so a replaced one is handed to the
+``experts`` class here, as its ``dispatch=`` / ``combine=``. It runs once, in the
 process that creates the ``LLM``; the resolved ``Parts`` travels to every rank inside the
 ``EngineConfig``, and nothing in the engine asks which bug is on.
 """
 import dataclasses
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable
@@ -21,7 +24,7 @@ from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
 from tplab.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tplab.layers.moe import FusedMoE
+from tplab.layers.moe import FusedMoE, all_to_all_combine, all_to_all_dispatch
 from tplab.layers.rotary import apply_rotary
 from tplab.models.loader import load_weights
 from tplab.models.pipeline import PipelineStage
@@ -37,6 +40,8 @@ class Parts:
     gate_up_linear: type = MergedColumnParallelLinear  # fused gate|up, column parallel
     row_linear: type = RowParallelLinear            # o_proj and down_proj: partial sums, all-reduced
     experts: type = FusedMoE                        # an MoE layer's experts: route, dispatch, expert MLPs, combine
+    moe_dispatch: Callable = all_to_all_dispatch    # under DP: each (token, expert) pair to its expert's rank
+    moe_combine: Callable = all_to_all_combine      # under DP: the experts' outputs back, weighted, per token
     gemm: type = Gemm                               # each linear layer's linear_method (on CPU: oneDNN, packed)
     attention: type = Attention                     # writes K/V into the paged cache, then attends
     attend: Callable = sdpa_attend                  # softmax(q k^T) v under the causal mask
@@ -92,4 +97,19 @@ def resolve(bugs=(), parts=None) -> Parts:
         if field in chosen:
             raise ValueError(f"{chosen[field][0]} and {who} both replace Parts.{field}: use one at a time")
         chosen[field] = (who, replacement)
-    return dataclasses.replace(Parts(), **{f: r for f, (_, r) in chosen.items()})
+    return _hand_exchange(dataclasses.replace(Parts(), **{f: r for f, (_, r) in chosen.items()}))
+
+
+def _hand_exchange(parts: Parts) -> Parts:
+    """``parts`` with a replaced ``moe_dispatch`` / ``moe_combine`` handed to the experts class that calls them:
+    ``experts`` becomes ``functools.partial(experts, dispatch=..., combine=...)`` (from the class itself where a
+    ``Parts`` resolved before is resolved again)."""
+    default = Parts()
+    if parts.moe_dispatch is default.moe_dispatch and parts.moe_combine is default.moe_combine:
+        return parts
+    experts = parts.experts.func if isinstance(parts.experts, functools.partial) else parts.experts
+    if not (isinstance(experts, type) and issubclass(experts, FusedMoE)):
+        raise ValueError(f"Parts.moe_dispatch and Parts.moe_combine are called by tplab's FusedMoE (its dispatch= "
+                         f"and combine=); the experts part {_describe(experts)} is not one: replace one or the other")
+    return dataclasses.replace(parts, experts=functools.partial(experts, dispatch=parts.moe_dispatch,
+                                                                combine=parts.moe_combine))

@@ -1,6 +1,6 @@
 """Exercises: the learner writes a function or a part in a notebook, a checker says whether it is right.
 
-Each notebook's module (``nb01`` ... ``nb06``) has ``check_<name>(fn)``; ``check_part`` runs a
+Each notebook's module (``nb01`` ... ``nb08``) has ``check_<name>(fn)``; ``check_part`` runs a
 learner's part inside the real engine against HF. Checkers compare against tplab or HF on fixed
 inputs and say what looks wrong; they never print the solution. ``show_solution(name)`` does,
 for when you are stuck (the reference solutions are in ``tplab.exercises.solutions``).
@@ -64,5 +64,5 @@ def show_solution(name: str) -> None:
 
 
 # The notebooks' modules, so that `from tplab.exercises import nb01` finds them on the package.
-from tplab.exercises import nb00, nb01, nb02, nb03, nb04, nb05, nb06  # noqa: E402
+from tplab.exercises import nb00, nb01, nb02, nb03, nb04, nb05, nb06, nb08  # noqa: E402
 from tplab.exercises.parts import check_engine, check_part  # noqa: E402

@@ -46,6 +46,10 @@ HINTS = [  # (the part it applies to, or None for any; words in an error; what t
     ("sp_norm_region", "not divisible by tp_size", "a step's T tokens need not divide by tp_size (a lone decode "
                        "token never does): pad them with zero rows to a multiple of tp_size before the reduce-scatter, "
                        "and drop those rows after the all-gather"),
+    ("moe_dispatch", "but the traffic sends", "x's rows must be the pairs' rows (T_r k of them, x[order // k]), "
+                     "grouped by destination rank, traffic[rank] of them to each: traffic[i][j] is what rank i sends j"),
+    ("moe_combine", "but the traffic sends", "sending the outputs back, rank j returns to rank i what i sent it: "
+                    "the traffic transposed, [list(col) for col in zip(*traffic)]"),
     ("pipeline_stage", "Pair is not connected", "a rank sent to (or received from) itself: a stage's peer one stage "
                         "away is world rank (pp_rank +/- 1) * tp_size + tp_rank, the same TP rank in that stage"),
     (None, "Received data size doesn't match", "a recv (or a collective) was given a buffer of another size than "
@@ -198,7 +202,9 @@ def _verdict(name, parts, tp, acts1, acts, tokens, want, stats) -> ExerciseResul
 def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 90.0) -> ExerciseResult:
     """Run the shipped model with ``impl`` as part ``name`` (a field of ``tplab.Parts``) at TP 1 and at
     ``tensor_parallel_size`` against HF (``pipeline_stage``: at ``tensor_parallel_size`` x 2 pipeline stages, after
-    its layouts and its boundary alone; ``sp_norm_region``: with sequence parallelism). ``.ok`` is True, False, or None for an untouched stub;
+    its layouts and its boundary alone; ``sp_norm_region``: with sequence parallelism; ``moe_dispatch`` and
+    ``moe_combine``: alone in 2 ranks, then the shipped MoE model at ``data_parallel_size=2`` with expert
+    parallelism, whatever ``tensor_parallel_size`` says). ``.ok`` is True, False, or None for an untouched stub;
     ``.message`` names the first sublayer that differs, on which rank, and the mistake where it
     recognises one."""
     if name not in FIELDS:
@@ -206,12 +212,17 @@ def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 
     if name == "pipeline_stage":                       # its own checks: layouts, the boundary, the engine at PP 2
         from tplab.exercises import pipeline_probe
         return pipeline_probe.judge(impl, tensor_parallel_size, timeout, _exception_result)
+    if name in EXCHANGE:                               # alone in 2 watched ranks, then the MoE model at DP 2
+        from tplab.exercises import exchange_probe
+        return exchange_probe.judge(name, impl, timeout, _exception_result)
     return judge_in_engine(name, impl, {name: impl}, tensor_parallel_size, timeout)
 
 
 # Notebook 07's parts: sequence parallelism's region needs a row_linear that returns partial sums, a stage needs
-# stages; notebook 07 judges them in engines with those on, so notebook 06's finale leaves them out.
-AFTER_TP = ("sp_norm_region", "pipeline_stage")
+# stages; notebook 08's exchange needs an MoE model under data parallelism. Those notebooks judge them in engines
+# with those on, so notebook 06's finale leaves them out.
+EXCHANGE = ("moe_dispatch", "moe_combine")
+AFTER_TP = ("sp_norm_region", "pipeline_stage", *EXCHANGE)
 
 
 def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 120.0) -> ExerciseResult:
@@ -222,9 +233,11 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
     unknown = sorted(set(parts) - set(FIELDS))
     if unknown:
         raise ValueError(f"{unknown} are not parts; the parts are {list(FIELDS)}")
-    later = sorted(set(parts) & set(AFTER_TP))     # judged in notebook 07, where SP / PP is on
+    later = sorted(set(parts) & set(AFTER_TP))     # judged in notebooks 07 and 08, where SP, PP or DP is on
     parts = {k: v for k, v in parts.items() if k not in AFTER_TP}
-    aside = f" (notebook 07's {', '.join(later)}: judged there, with sequence / pipeline parallelism on)" if later else ""
+    nb07, nb08 = [p for p in later if p not in EXCHANGE], [p for p in later if p in EXCHANGE]
+    aside = (f" (notebook 07's {', '.join(nb07)}: judged there, with sequence / pipeline parallelism on)" if nb07
+             else "") + (f" (notebook 08's {', '.join(nb08)}: judged there, with data parallelism on)" if nb08 else "")
     missing = [p for p in ("embedding", "qkv_linear", "row_linear", "gate_up_linear", "lm_head") if p not in parts]
     stubs = [p for p, impl in parts.items() if _is_stub(impl, p)]
     if not parts:

@@ -21,6 +21,8 @@ the E experts are spread over all d t ranks (E / (d t) each), so tokens travel (
     counts (E,) all-gathered -> everyone knows who sends whom how many rows (the traffic matrix)
     all-to-all: each pair's x to its expert's rank (dispatch) -> the expert MLPs -> all-to-all back (combine)
     out[its tokens] += weight * y, in fp32; the other rows stay 0, and the block's TP all-reduce fills them.
+The dispatch and the combine are two functions (``all_to_all_dispatch``, ``all_to_all_combine``), the parts
+``Parts.moe_dispatch`` and ``Parts.moe_combine``, handed to the layer as ``dispatch=`` and ``combine=``.
 """
 import torch
 import torch.nn.functional as F
@@ -64,12 +66,16 @@ class FusedMoE(nn.Module):
       each token's top-k experts weighted as HF weights them; all-reduced, or with ``reduce_results=False``
       this rank's partial sum (the caller reduces it over TP). Under data parallelism every rank of every DP
       rank calls it once per MoE layer and step, with zero tokens where it has none (the exchange needs all).
+    - ``dispatch``, ``combine`` (None: ``all_to_all_dispatch``, ``all_to_all_combine``): the exchange under data
+      parallelism, handed over by ``tplab.engine.parts`` where ``Parts.moe_dispatch`` / ``moe_combine`` are replaced.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool = False, reduce_results: bool = True, tp_rank=None, tp_size=None,
-                 enable_expert_parallel: bool = False, dp_rank=None, dp_size=None):
+                 enable_expert_parallel: bool = False, dp_rank=None, dp_size=None, dispatch=None, combine=None):
         super().__init__()
+        # under data parallelism, the exchange (Parts.moe_dispatch, Parts.moe_combine)
+        self.exchange_dispatch, self.exchange_combine = dispatch or all_to_all_dispatch, combine or all_to_all_combine
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.dp_rank, self.dp_size = dp_rank_and_size(dp_rank, dp_size)
         if self.dp_size > 1 and not enable_expert_parallel:
@@ -157,29 +163,53 @@ class FusedMoE(nn.Module):
         H)``, zero outside the share). Every rank takes part, with no tokens too, or the others would wait."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # (T, H)
         share = self.token_share(x.shape[0])
-        x, weights, ids = x[share], weights[share].flatten(), ids[share].flatten()   # (T_r, H), (T_r k,) twice
-        pairs = ids.argsort(stable=True)             # (P,) pairs by expert, so by the rank that holds it
-        tokens, experts = pairs // self.top_k, ids[pairs]
-        counts = torch.bincount(experts, minlength=self.num_experts)        # (E,) pairs per expert
-        plan = ep_all_gather(counts, self.ep_size).view(self.ep_size, self.ep_size, self.num_local_experts)
-        traffic = plan.sum(-1).tolist()              # traffic[i][j]: rows rank i sends rank j, known to all
-        received = all_to_all(x.index_select(0, tokens), traffic)          # (R, H): by source, then expert
-        y = self.run_received(received, plan[:, self.ep_rank])
-        back = all_to_all(y, [list(col) for col in zip(*traffic)])          # (P, H): in the order sent
-        out[share].index_add_(0, tokens, (back * weights[pairs].unsqueeze(-1)).float())   # combine
+        received, local, order, traffic = self.exchange_dispatch(x[share], ids[share], self.num_experts,
+                                                                 self.ep_rank, self.ep_size)
+        y = self.run_received(received, local)                              # (R, H)
+        out[share] = self.exchange_combine(y, order, traffic, weights[share])   # (T_r, H), fp32
         return out
 
-    def run_received(self, received: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on the rows it received ``(R, H)``: ``counts[src, e]`` rows from rank ``src`` for
-        local expert ``e``, grouped by source then expert. Returns each row's expert output ``(R, H)``."""
-        local = torch.arange(self.num_local_experts, device=received.device).repeat(counts.shape[0])
-        expert_of_row = local.repeat_interleave(counts.flatten())          # (R,)
-        y = torch.empty_like(received)
+    def run_received(self, received: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the rows it received ``(R, H)``, row i for its local expert ``local[i]``. Returns
+        each row's expert output ``(R, H)``."""
+        if local.numel() and not 0 <= int(local.min()) <= int(local.max()) < self.num_local_experts:
+            raise ValueError(f"rank {self.ep_rank}: the dispatch gave local expert ids {sorted(set(local.tolist()))}, "
+                             f"but this rank holds {self.num_local_experts} experts (local ids 0 .. "
+                             f"{self.num_local_experts - 1}; global ids {list(self.local_experts)})")
+        y = torch.zeros_like(received)
         for e in range(self.num_local_experts):
-            rows = (expert_of_row == e).nonzero().squeeze(1)
+            rows = (local == e).nonzero().squeeze(1)
             if rows.numel():
                 y[rows] = self.expert_mlp(e, received.index_select(0, rows))
         return y
+
+
+def all_to_all_dispatch(x: torch.Tensor, ids: torch.Tensor, num_experts: int, ep_rank: int, ep_size: int):
+    """The dispatch (``Parts.moe_dispatch``), on each of the ``ep_size`` ranks: each (token, expert) pair's row of
+    ``x`` ``(T_r, H)`` to the rank that holds the expert, ``ids`` ``(T_r, k)`` (global ids; rank r holds experts
+    ``r E / ep_size .. (r + 1) E / ep_size - 1``). Returns ``(received, local, order, traffic)``: ``received``
+    ``(R, H)`` the rows sent to this rank, by source rank then expert; ``local`` ``(R,)`` the local expert of each
+    (``0 .. E / ep_size - 1``); ``order`` ``(T_r k,)`` the pairs in the order this rank sent them, as indices into
+    ``ids.flatten()``; ``traffic[i][j]`` the rows rank i sent rank j, the same on every rank."""
+    top_k, per_rank = ids.shape[1], num_experts // ep_size
+    flat = ids.flatten()                                                  # (P,) pair p: token p // k
+    order = flat.argsort(stable=True)                                     # by expert, so by the rank that holds it
+    counts = torch.bincount(flat, minlength=num_experts)                  # (E,) pairs per expert
+    plan = ep_all_gather(counts, ep_size).view(ep_size, ep_size, per_rank)   # [source, destination, local expert]
+    traffic = plan.sum(-1).tolist()                                       # known to every rank alike
+    received = all_to_all(x.index_select(0, order // top_k), traffic)     # (R, H): by source, then expert
+    local = torch.arange(per_rank, device=x.device).repeat(ep_size).repeat_interleave(plan[:, ep_rank].flatten())
+    return received, local, order, traffic
+
+
+def all_to_all_combine(y: torch.Tensor, order: torch.Tensor, traffic: list[list[int]], weights: torch.Tensor):
+    """The combine (``Parts.moe_combine``): the experts' outputs ``y`` ``(R, H)`` of the rows the dispatch received,
+    back to the ranks that sent them (the traffic transposed), each weighted by its pair's routing weight
+    (``weights`` ``(T_r, k)``) and added into its token, in fp32: ``(T_r, H)``."""
+    back = all_to_all(y, [list(col) for col in zip(*traffic)])           # (P, H): in the order sent
+    out = torch.zeros(weights.shape[0], y.shape[-1], dtype=torch.float32, device=y.device)
+    out.index_add_(0, order // weights.shape[1], (back * weights.flatten()[order].unsqueeze(-1)).float())
+    return out
 
 
 def make_expert_params_mapping(num_experts: int) -> list[tuple[str, str, int, int | None]]:
