@@ -218,3 +218,11 @@ def test_a_stub_is_not_attempted():
         raise NotImplementedError
     assert check_part("moe_dispatch", moe_dispatch).ok is None
     assert check_part("moe_combine", moe_combine).ok is None
+
+
+def test_links_price_calls_and_bytes_as_notebook_00_does():
+    from tplab.exercises.links import LINKS, link_bytes, price
+    assert link_bytes("all_reduce", 1000, 4) == 1500 and link_bytes("all_gather", 1000, 4) == 3000
+    assert link_bytes("all_to_all", 1000, 4, to_others=600) == 600          # the rows a rank keeps never leave it
+    beta, alpha = LINKS["InfiniBand NDR"]
+    assert price(3, 2 * beta, "InfiniBand NDR") == pytest.approx(3 * alpha + 2.0)
