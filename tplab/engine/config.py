@@ -86,12 +86,16 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def default_batched_tokens(device) -> int:
-    """Tokens per step when ``max_num_batched_tokens`` is not given: 4096 on a GPU (vLLM's default),
-    512 on CPU. On CPU a step of 512 tokens keeps a layer's activations (512 x 9728 floats out of
-    Qwen2.5-0.5B's gate_up_proj: 20 MB) in the last-level cache and in memory the allocator reuses;
-    at 4096 they are 160 MB of fresh pages per matmul, and prefill ran 10% slower here (bench/)."""
-    return 4096 if torch.device(device).type == "cuda" else 512
+def default_batched_tokens(device, hf_config=None) -> int:
+    """Tokens per step when ``max_num_batched_tokens`` is not given: 4096 on a GPU (vLLM's default); on CPU
+    512 for a dense model, 2048 for a mixture of experts. A dense step of 512 tokens keeps a layer's
+    activations (512 x 9728 floats out of Qwen2.5-0.5B's gate_up_proj: 20 MB) in the last-level cache and in
+    memory the allocator reuses; at 4096 they are 160 MB of fresh pages per matmul, and prefill ran 10% slower
+    (bench/). An MoE step reads every expert its tokens chose, all of them from a few hundred tokens on, so a
+    prompt cut into chunks reads the experts' weights once a chunk: fewer, longer steps read them fewer times."""
+    if torch.device(device).type == "cuda":
+        return 4096
+    return 2048 if getattr(hf_config, "num_experts", 0) else 512
 
 
 def _env_flag(name: str, default: str = "1") -> bool:
@@ -140,7 +144,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: see engine.kv_cache_budget
     max_num_seqs: int = 16             # sequences in flight per step
     max_num_batched_tokens: int | None = None  # tokens per step (a longer prompt is prefilled in chunks);
-                                        # None: default_batched_tokens(device)
+                                        # None: default_batched_tokens(device, model)
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
     sequence_parallel: bool = False    # TP > 1: reduce-scatter + all-gather over tokens instead of all-reduce

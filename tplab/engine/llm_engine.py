@@ -172,8 +172,9 @@ class LLMEngine:
         """A scheduler with its own block manager over ``runner.num_blocks`` blocks."""
         cfg = self.cfg
         blocks = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        return Scheduler(blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens or default_batched_tokens(self.device),
-                         eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
+        budget = cfg.max_num_batched_tokens or default_batched_tokens(self.device, cfg.hf_config)
+        return Scheduler(blocks, cfg.max_num_seqs, budget, eos_token_ids(cfg.hf_config),
+                         cfg.hf_config.max_position_embeddings)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False,
                  indices: list[int] | None = None) -> list[Sequence]:

@@ -124,7 +124,7 @@ class Gemm:
         role = prefix.rpartition(".")[2]
         if role == "lm_head":
             return LMHeadMethod(self)
-        return GemmMethod(self, may_pack=not (self.few_rows_mkl and role in PLAIN_WITH_MKL))
+        return GemmMethod(self, may_pack=role != "experts" and not (self.few_rows_mkl and role in PLAIN_WITH_MKL))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight.T + bias``; ``weight`` may be a plain tensor or one from ``packed``."""
@@ -166,6 +166,9 @@ class GemmMethod(LinearMethod):
         if weight is None:
             weight = self._take(layer) if self.packs else layer.weight
         return self.gemm.linear(x, weight, bias)
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.gemm.linear(x, weight)
 
     def _take(self, layer: nn.Module) -> torch.Tensor:
         """Pack ``layer``'s weight and drop the plain one (its shape and dtype stay, on ``meta``)."""

@@ -21,6 +21,10 @@ class LinearMethod:
         """``(T, in_local) -> (T, out_local)``."""
         return F.linear(x, layer.weight, bias)
 
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` for a plain weight the layer slices itself (one expert's of a stacked tensor)."""
+        return F.linear(x, weight)
+
 
 class UsesLinearMethod:
     """Mixed into a layer that multiplies by its ``weight`` through ``self.linear_method.apply(self, x, bias)``
@@ -29,13 +33,23 @@ class UsesLinearMethod:
     linear_method: LinearMethod = LinearMethod()
 
 
+class UsesProducts:
+    """Mixed into a layer whose weights are stacked (an MoE layer's experts): it slices one expert's weight and
+    multiplies through ``self.linear_method.product(x, weight)``. After loading, the engine hands it a method
+    of its own, which never takes the weights over (they stay plain, to be sliced)."""
+    linear_method: LinearMethod = LinearMethod()
+
+
 def process_weights_after_loading(model: nn.Module, methods) -> int:
-    """After loading: give every ``UsesLinearMethod`` layer of ``model`` its own ``methods.method_for(name)``
-    (``name``: its module name, vLLM's ``prefix``, e.g. ``model.layers.0.mlp.down_proj``), and let it process
-    the layer's weight; how many of them will take their layer's weight over."""
+    """After loading: give every ``UsesLinearMethod`` and ``UsesProducts`` layer of ``model`` its own
+    ``methods.method_for(name)`` (``name``: its module name, vLLM's ``prefix``, e.g.
+    ``model.layers.0.mlp.down_proj``), and let a linear layer's process its weight; how many of them will take
+    their layer's weight over."""
     taken = 0
     for name, module in model.named_modules():
         if isinstance(module, UsesLinearMethod):
             module.linear_method = methods.method_for(name)
             taken += bool(module.linear_method.process_weights_after_loading(module))
+        elif isinstance(module, UsesProducts):
+            module.linear_method = methods.method_for(name)
     return taken

@@ -30,6 +30,7 @@ from torch import nn
 
 from tplab.distributed.parallel_state import (all_reduce, all_to_all, divide, dp_rank_and_size, ep_all_gather,
                                              tp_rank_and_size)
+from tplab.layers.linear_method import UsesProducts
 from tplab.layers.weights import copy_into, expect_shape
 
 
@@ -45,7 +46,7 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight)                                   # (T, output_size)
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(nn.Module, UsesProducts):
     """This rank's experts of one MoE layer, their weights stacked: routing, dispatch, expert MLPs, combine.
 
     Contract of ``Parts.experts`` (what a replacement keeps):
@@ -68,6 +69,8 @@ class FusedMoE(nn.Module):
       rank calls it once per MoE layer and step, with zero tokens where it has none (the exchange needs all).
     - ``dispatch``, ``combine`` (None: ``all_to_all_dispatch``, ``all_to_all_combine``): the exchange under data
       parallelism, handed over by ``tplab.engine.parts`` where ``Parts.moe_dispatch`` / ``moe_combine`` are replaced.
+    - an expert's products go through ``self.linear_method.product`` (``UsesProducts``: ``F.linear`` until the
+      engine hands over ``Parts.gemm``'s method after loading).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
@@ -129,15 +132,17 @@ class FusedMoE(nn.Module):
         if ids.is_cuda and torch.cuda.is_current_stream_capturing():   # say why, rather than fail in nonzero
             raise RuntimeError("an MoE layer's dispatch picks each expert's tokens with nonzero (shapes that depend "
                                "on the routing), which a CUDA graph cannot hold")
+        chosen = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()   # pairs per expert
         for local, expert in enumerate(self.local_experts):
-            rows, slots = (ids == expert).nonzero(as_tuple=True)
-            if rows.numel():
+            if chosen[expert]:                                            # an expert no token chose is skipped
+                rows, slots = (ids == expert).nonzero(as_tuple=True)
                 yield local, rows, slots
 
     def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``local``'s SiLU-gated MLP on its tokens: ``(n, H) -> (n, H)`` (a partial sum under TP)."""
-        gate, up = F.linear(x, self.gate_up_proj[local]).chunk(2, dim=-1)    # (n, I_local) each
-        return F.linear(F.silu(gate) * up, self.down_proj[local])
+        product = self.linear_method.product                                # F.linear, or Parts.gemm's kernel
+        gate, up = product(x, self.gate_up_proj[local]).chunk(2, dim=-1)    # (n, I_local) each
+        return product(F.silu(gate) * up, self.down_proj[local])
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.select_experts(router_logits, x.dtype)          # (T, k) each
