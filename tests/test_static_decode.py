@@ -2,10 +2,14 @@
 addresses, attention over padded block tables. The step a CUDA graph captures, run eagerly here: HF's
 tokens at TP 1 and 2 with continuous batching, chunked prefill and preemption in the same run; the
 stale-buffer pitfall's fingerprint; and the settings that cannot run it refused with what to change."""
+from types import SimpleNamespace
+
 import pytest
 
 from conftest import hf_greedy
-from tplab import LLM, SamplingParams
+from tplab import LLM, SamplingParams, models
+from tplab.engine.config import load_model_config, resolve_static_decode
+from tplab.engine.parts import Parts
 from tplab.engine.static_decode import bucket_of, buckets
 
 MAX_TOKENS = 9
@@ -67,6 +71,18 @@ def test_stale_buffers_fingerprint(checkpoint, reference):
 def test_static_decode_refused_where_it_cannot_run(checkpoint, settings, names):
     with pytest.raises(ValueError, match=f"static_decode=True cannot run with .*{names}"):
         LLM(checkpoint("gqa"), static_decode=True, device="cpu", **settings)
+
+
+def test_an_moe_models_decode_is_refused_at_fixed_shapes_and_off_by_default(tmp_path):
+    """Which rows each expert runs depends on the routing: no step at fixed shapes, so no graph to capture."""
+    moe = models.save_random_qwen3_moe(tmp_path / "moe")
+    with pytest.raises(ValueError, match="static_decode=True cannot run with an MoE model"):
+        LLM(moe, static_decode=True, device="cpu")
+    # the settings as given (static_decode None: on where CUDA graphs run), judged for a CUDA device
+    unset = SimpleNamespace(static_decode=None, enforce_eager=False, pipeline_parallel_size=1, tensor_parallel_size=1,
+                            sequence_parallel=False, check_finite=False)
+    assert resolve_static_decode(unset, Parts(), "cuda", load_model_config(moe)) is False
+    assert resolve_static_decode(unset, Parts(), "cuda", load_model_config(models.save_random_qwen3(tmp_path / "d")))
 
 
 def test_cpu_defaults_to_steps_at_their_own_shapes(checkpoint):

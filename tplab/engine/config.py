@@ -209,21 +209,22 @@ def _resolved(cfg: EngineConfig) -> dict:
     dtype, device = resolve_dtype(cfg.dtype, hf), _device(cfg, backend)
     parts = _kernels_here(parts, device, dtype, hf)
     return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs, parts=parts, backend=backend,
-                device=device, static_decode=resolve_static_decode(cfg, parts, device))
+                device=device, static_decode=resolve_static_decode(cfg, parts, device, hf))
 
 
-def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str) -> bool:
+def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str, hf=None) -> bool:
     """Whether decode steps run at fixed shapes: by default where they are replayed as CUDA graphs (CUDA,
     not ``enforce_eager``), on request anywhere. Not with what changes a step's shapes or reads its values
-    on the host: pipeline stages, sequence parallelism's token split, ``check_finite``, or an attention that
-    does not say it takes a step at fixed shapes (``Attention.takes_padded_decodes``)."""
+    on the host: pipeline stages, sequence parallelism's token split, ``check_finite``, an MoE model's experts
+    (which rows each runs depends on the routing), or an attention that does not say it takes a step at fixed
+    shapes (``Attention.takes_padded_decodes``)."""
     for name in ("enforce_eager", "static_decode"):
         if getattr(cfg, name) not in ((True, False) if name == "enforce_eager" else (True, False, None)):
             raise ValueError(f"{name} must be True or False{' or None' * (name == 'static_decode')}, "
                              f"got {getattr(cfg, name)!r}")
     blockers = {"pipeline_parallel_size > 1": cfg.pipeline_parallel_size > 1,
                 "sequence_parallel=True": cfg.sequence_parallel and cfg.tensor_parallel_size > 1,
-                "check_finite=True": cfg.check_finite,
+                "check_finite=True": cfg.check_finite, "an MoE model": bool(getattr(hf, "num_experts", 0)),
                 f"attention {_name(parts.attention)} with attend {_name(parts.attend)} (they do not say they "
                 "take a step at fixed shapes: Attention.takes_padded_decodes)": not attends_padded(parts)}
     reasons = [why for why, blocks in blockers.items() if blocks]
