@@ -1,7 +1,7 @@
 """Data-parallel attention with the experts spread over every rank (``data_parallel_size``, ``enable_expert_parallel``),
 against HF's own MoE models: greedy tokens equal HF's and logprobs are within the fp32 bound at DP 2 x EP and
 DP 2 x TP 2 x EP, with chunked prefill, prefix-cache hits and preemption on every DP rank in the same run, over
-shared memory and over gloo; the answers come back in prompt order; a DP rank with no prompt joins every
+shared memory and over gloo, and composed with pipeline parallelism (DP 2 x PP 2, x TP 2); the answers come back in prompt order; a DP rank with no prompt joins every
 exchange and nothing hangs; a dense model's DP ranks are replicas; the sizes are checked before any rank starts."""
 import pytest
 import torch
@@ -122,6 +122,20 @@ def test_a_dense_model_runs_data_parallel_replicas(checkpoint):
     assert [r["num_steps"] > 0 for r in stats["dp_ranks"]] == [True, True]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_data_parallelism_composes_with_pipeline_parallelism(name, tp, moe, reference):
+    """DP 2 x PP 2 (x TP 2) x EP: each DP rank a pipeline of two stages, each stage's experts spread over that stage's
+    ranks in both DP ranks; a stage with no batch in a tick joins its MoE layers' exchanges all the same."""
+    settings = dict(DP_EP, pipeline_parallel_size=2, tensor_parallel_size=tp, **dict(TIGHT, num_kv_blocks=20))
+    with LLM(moe(name), **settings) as llm:                # 10 blocks for each batch in flight
+        outs = llm.generate(PROMPTS, GREEDY)
+        stats = llm.stats()
+    assert_matches_hf(outs, reference(name), PROMPTS, f"{name} DP 2 x PP 2 x TP {tp}")
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_blocks"] > 0, stats
+    assert all(rank["num_steps"] > 0 and rank["kv_blocks_in_use"] == 0 for rank in stats["dp_ranks"]), stats
+
+
 def test_the_sizes_are_checked_before_any_rank_starts(tmp_path, checkpoint, no_new_children):
     six = models.save_random_qwen3_moe(tmp_path / "six", num_experts=6)
     with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 = 4 ranks share the experts "
@@ -131,8 +145,6 @@ def test_the_sizes_are_checked_before_any_rank_starts(tmp_path, checkpoint, no_n
     with pytest.raises(ValueError, match=r"data_parallel_size=2 on an MoE model \(6 experts\) spreads the experts over "
                        r"all 2 x 1 = 2 ranks, which tplab does by expert parallelism only: pass enable_expert_parallel=True"):
         LLM(six, data_parallel_size=2)
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 with data_parallel_size=2: tplab does not compose"):
-        LLM(six, pipeline_parallel_size=2, **DP_EP)
     with pytest.raises(ValueError, match=r"sequence_parallel=True with data_parallel_size=3"):
         LLM(six, tensor_parallel_size=2, sequence_parallel=True, data_parallel_size=3, enable_expert_parallel=True)
     for bad in (0, "2", True):

@@ -1,7 +1,7 @@
 """Checkpoints no other test sees, of other shapes (6 experts, top-1, no shared expert and Qwen3's attention; 12
 experts, top-3, a shared expert, dense layers between the sparse ones, 6 heads on 2 KV heads), made here from a
-seed: greedy tokens equal HF's and logprobs are within the fp32 bound at EP 2, at DP 2 x EP and at TP 2 x PP 2
-with EP."""
+seed: greedy tokens equal HF's and logprobs are within the fp32 bound at EP 2, at DP 2 x EP, at TP 2 x PP 2 with
+EP and at DP 2 x PP 2 x EP."""
 import pytest
 import torch
 
@@ -19,7 +19,8 @@ SHAPES = {
         moe_intermediate_size=16, num_hidden_layers=4),
 }
 LAYOUTS = {"ep2": dict(tensor_parallel_size=2), "dp2-ep": dict(data_parallel_size=2),
-           "tp2-pp2-ep": dict(tensor_parallel_size=2, pipeline_parallel_size=2)}
+           "tp2-pp2-ep": dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+           "dp2-pp2-ep": dict(data_parallel_size=2, pipeline_parallel_size=2)}
 
 
 @pytest.fixture(scope="module")

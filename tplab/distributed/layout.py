@@ -2,11 +2,11 @@
 data-parallel ranks, and how each group's collectives travel (shared memory between CPU ranks of one host, else
 the process group).
 
-World rank ``outer * tp_size + tp_rank`` (vLLM's order), where ``outer`` is the pipeline stage or, under data
-parallelism, the DP rank: each stage (or DP rank) is a TP group of its own. Under data parallelism the MoE
-layers' experts are spread over every rank, so the world is also the expert-parallel (EP) group their
-all-to-all runs over. ``tp_rank_and_size``/``pp_rank_and_size``/``dp_rank_and_size`` read this rank's place;
-``parallel_state`` runs the collectives over the groups kept here.
+World rank ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank`` (vLLM's order): each DP rank is a replica
+of ``pp_size`` stages, each stage a TP group of its own. Under data parallelism an MoE layer's experts are
+spread over every rank that holds the layer: the ranks of one stage in every DP rank, the expert-parallel (EP)
+group its all-to-all runs over (the world, without PP). ``tp_rank_and_size``/``pp_rank_and_size``/
+``dp_rank_and_size`` read this rank's place; ``parallel_state`` runs the collectives over the groups kept here.
 """
 import atexit
 import gc
@@ -19,8 +19,8 @@ from tplab.distributed.shm_comm import ShmComm, shm_applies
 
 @dataclass(frozen=True)
 class Layout:
-    """How this process's ranks are arranged: ``pp_size`` stages (or ``dp_size`` data-parallel ranks) of
-    ``tp_size`` TP ranks each, and how this TP group's collectives (and under DP, the EP group's) travel."""
+    """How this process's ranks are arranged: ``dp_size`` data-parallel ranks of ``pp_size`` stages of ``tp_size``
+    TP ranks each, and how this TP group's collectives (and under DP, the EP group's) travel."""
     world: object                # the dist.group.WORLD it was decided for: a new process group makes it stale
     group: object                # this stage's TP group (WORLD at PP 1; None at TP 1, which runs no collective)
     tp_rank: int
@@ -30,8 +30,14 @@ class Layout:
     comm: ShmComm | None = None  # shared memory between the group's ranks, where it applies
     dp_rank: int = 0
     dp_size: int = 1
-    ep_group: object = None      # under DP: every rank (the experts' all-to-all runs over it); else None
+    ep_group: object = None      # under DP: this stage's ranks of every DP rank (the experts' all-to-all); else None
     ep_comm: ShmComm | None = None   # shared memory between the EP group's ranks, where it applies
+    replica_group: object = None     # under DP with PP: this DP rank's p t ranks (the sampled tokens' broadcast)
+
+    @property
+    def replica_start(self) -> int:
+        """World rank of this DP rank's first rank: a pipeline peer's world rank is its rank at DP 1 plus this."""
+        return self.dp_rank * self.pp_size * self.tp_size
 
 
 # Kept beside torch.distributed's own state of the group: it belongs to the process group (set once by
@@ -114,37 +120,45 @@ def init_tp_comm(use_shm: bool = True) -> None:
 
 
 def init_model_parallel(tp_size: int, pp_size: int = 1, dp_size: int = 1, use_shm: bool = True) -> Layout:
-    """Arrange the world's ``dp_size * pp_size * tp_size`` ranks in ``pp_size`` stages (or ``dp_size``
-    data-parallel ranks) of ``tp_size`` TP ranks (world rank = ``outer * tp_size + tp_rank``, as vLLM's): one TP
-    group each, made by every rank in the same order (``dist.new_group`` is collective), each with its own
-    shared-memory segment where it applies; under data parallelism the world is the EP group too. At PP 1 and
-    DP 1 the world is the TP group (``init_tp_comm``). Every rank must call it; again with the same sizes, it
-    does nothing."""
+    """Arrange the world's ``dp_size * pp_size * tp_size`` ranks as ``dp_size`` data-parallel ranks of ``pp_size``
+    stages of ``tp_size`` TP ranks (world rank ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``, as vLLM's):
+    one TP group each, made by every rank in the same order (``dist.new_group`` is collective), each with its
+    own shared-memory segment where it applies; under data parallelism an EP group per stage (the world at PP
+    1) and, with PP, a group per DP rank. At PP 1 and DP 1 the world is the TP group (``init_tp_comm``). Every
+    rank must call it; again with the same sizes, it does nothing."""
     world = dist.get_world_size()
     if tp_size * pp_size * dp_size != world:
         raise ValueError(f"data_parallel_size={dp_size} x pipeline_parallel_size={pp_size} x tensor_parallel_size="
                          f"{tp_size} = {tp_size * pp_size * dp_size} ranks, but the process group has {world}")
-    if pp_size > 1 and dp_size > 1:
-        raise ValueError(f"pipeline_parallel_size={pp_size} with data_parallel_size={dp_size}: tplab does not "
-                         "compose data-parallel attention with pipeline parallelism; use one of them")
     if pp_size == dp_size == 1:
         init_tp_comm(use_shm)
         return current_layout()
     old = current_layout()
     if old is not None and (old.tp_size, old.pp_size, old.dp_size) == (tp_size, pp_size, dp_size):
         return old
-    rank, outer_size = dist.get_rank(), max(pp_size, dp_size)
-    outer, tp_rank, group = rank // tp_size, rank % tp_size, None
-    if tp_size > 1:                                # at TP 1 a stage runs no collective: no group to make
-        for g in range(outer_size):
-            made = dist.new_group(list(range(g * tp_size, (g + 1) * tp_size)))
-            group = made if g == outer else group
+    rank = dist.get_rank()
+    outer, tp_rank = rank // tp_size, rank % tp_size          # outer: dp_rank * pp_size + pp_rank
+    dp_rank, pp_rank = divmod(outer, pp_size)
+    group = _mine([range(g * tp_size, (g + 1) * tp_size) for g in range(dp_size * pp_size)], outer) \
+        if tp_size > 1 else None                  # at TP 1 a stage runs no collective: no group to make
     comm = ShmComm(group) if group is not None and use_shm and shm_applies(group) else None
-    ep_group = ep_comm = None
-    if dp_size > 1:                                # the experts' exchange: every rank, the world's segment
+    ep_group = ep_comm = replica_group = None
+    if dp_size > 1 and pp_size == 1:             # the experts' exchange: every rank, the world's segment
         ep_group = dist.group.WORLD
         ep_comm = old.comm if _plain(old) and use_shm else ShmComm() if use_shm and shm_applies() else None
-    pp_rank, dp_rank = (outer, 0) if pp_size > 1 else (0, outer)
+    elif dp_size > 1:                            # one EP group per stage, one group per DP rank
+        replica = pp_size * tp_size
+        ep_group = _mine([[d * replica + s * tp_size + t for d in range(dp_size) for t in range(tp_size)]
+                          for s in range(pp_size)], pp_rank)
+        ep_comm = ShmComm(ep_group) if use_shm and shm_applies(ep_group) else None
+        replica_group = _mine([range(d * replica, (d + 1) * replica) for d in range(dp_size)], dp_rank)
     _set_layout(Layout(dist.group.WORLD, group, tp_rank, tp_size, pp_rank, pp_size, comm, dp_rank, dp_size,
-                       ep_group, ep_comm))
+                       ep_group, ep_comm, replica_group))
     return _layout
+
+
+def _mine(groups: list, index: int):
+    """Make every one of ``groups`` (lists of world ranks; every rank makes them all, in the same order) and
+    return the ``index``-th."""
+    made = [dist.new_group(list(ranks)) for ranks in groups]
+    return made[index]

@@ -150,21 +150,35 @@ def _reduce_scatter(x: torch.Tensor, comm: ShmComm | None, group, tp_size: int, 
     return out
 
 
+def _in_replica(rank: int) -> int:
+    """World rank of this DP rank's rank ``rank`` (its world rank at DP 1): pipeline stages talk within a DP rank."""
+    layout = current_layout()
+    return rank + (layout.replica_start if layout is not None else 0)
+
+
 def isend(x: torch.Tensor, dst: int):
-    """Start sending ``x`` to world rank ``dst`` (point to point, between pipeline stages); returns the
-    request to ``wait()`` on before ``x`` may change. Recorded as op "send" when counted."""
+    """Start sending ``x`` to rank ``dst`` of this DP rank (its world rank at DP 1; point to point, between
+    pipeline stages); returns the request to ``wait()`` on before ``x`` may change. Recorded as op "send"."""
     if _recorders:
-        return _recorded("send", x, None, dist.isend, x.contiguous(), dst)
-    return dist.isend(x.contiguous(), dst)
+        return _recorded("send", x, None, dist.isend, x.contiguous(), _in_replica(dst))
+    return dist.isend(x.contiguous(), _in_replica(dst))
 
 
 def recv(x: torch.Tensor, src: int) -> torch.Tensor:
-    """Receive into ``x`` from world rank ``src``, waiting until it arrives; returns ``x``. Recorded as op
-    "recv" when counted (its time includes the wait: a pipeline bubble)."""
+    """Receive into ``x`` from rank ``src`` of this DP rank, waiting until it arrives; returns ``x``. Recorded as
+    op "recv" when counted (its time includes the wait: a pipeline bubble)."""
     if _recorders:
-        _recorded("recv", x, None, dist.recv, x, src)
+        _recorded("recv", x, None, dist.recv, x, _in_replica(src))
     else:
-        dist.recv(x, src)
+        dist.recv(x, _in_replica(src))
+    return x
+
+
+def broadcast_in_replica(x: torch.Tensor, src: int) -> torch.Tensor:
+    """Broadcast ``x`` from rank ``src`` of this DP rank to its every rank (the world, without DP); returns ``x``."""
+    layout = current_layout()
+    group = layout.replica_group if layout is not None else None
+    dist.broadcast(x, src=_in_replica(src), group=group)
     return x
 
 

@@ -63,13 +63,9 @@ def load_model_config(model_dir):
 
 
 def check_pp_size(config, pp_size, dp_size: int = 1) -> None:
-    """A pipeline stage owns at least one layer: ``1 <= pipeline_parallel_size <= num_hidden_layers``; and not
-    with data parallelism (not composed yet)."""
+    """A pipeline stage owns at least one layer: ``1 <= pipeline_parallel_size <= num_hidden_layers``."""
     if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
         raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pp_size!r}")
-    if pp_size > 1 and dp_size > 1:
-        raise ValueError(f"pipeline_parallel_size={pp_size} with data_parallel_size={dp_size}: tplab does not compose "
-                         "data-parallel attention with pipeline parallelism yet; use one of them")
     if pp_size > config.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size={pp_size} is more stages than the model's {config.num_hidden_layers} "
                          f"layers (num_hidden_layers): every stage needs a layer; use at most {config.num_hidden_layers}")

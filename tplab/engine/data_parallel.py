@@ -7,7 +7,8 @@ An MoE model's experts are spread over every rank, so every forward pass exchang
 the DP ranks step together (vLLM's lockstep). Each step they agree whether any of them has work
 (``parallel_state.dp_any``, one all-reduce of one number, in ``LLMEngine.generate``), and a DP rank with nothing
 scheduled runs the model's ``dummy_forward`` (``DataParallelStage``), whose MoE layers send and receive no
-tokens, so that the others' exchanges complete.
+tokens, so that the others' exchanges complete. Under pipeline parallelism a DP rank is a pipeline, and its stage
+with no batch in a tick runs its own layers' ``dummy_forward`` (``PipelineLoop`` with ``lockstep``).
 """
 from tplab.engine.pipeline_loop import OneStage
 

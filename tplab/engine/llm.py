@@ -188,8 +188,9 @@ class LLM:
             raise
 
     def _dp_firsts(self, per_rank: list) -> list:
-        """The answers of each DP rank's first rank (world rank ``r x tensor_parallel_size``), in DP rank order."""
-        return per_rank[::self.config.tensor_parallel_size]
+        """The answers of each DP rank's first rank (world rank ``r x pipeline_parallel_size x tensor_parallel_size``),
+        in DP rank order."""
+        return per_rank[::self.config.pipeline_parallel_size * self.config.tensor_parallel_size]
 
     def shutdown(self) -> None:
         """Stop the ranks (or drop the in-process engine) and free their memory."""

@@ -162,7 +162,7 @@ class LLMEngine:
         self.scheduler, self.block_manager = self.schedulers[0], self.schedulers[0].block_manager
         # an MoE model's DP ranks step together: one with nothing to run joins the experts' exchanges
         self.lockstep = steps_in_lockstep(cfg.hf_config, cfg.data_parallel_size)
-        self.stages = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype) if pp > 1
+        self.stages = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype, self.lockstep) if pp > 1
                        else DataParallelStage(self.runner) if self.lockstep else OneStage(self.runner))
         self.in_flight: list[tuple[int, list[Sequence]] | None] = [None] * pp   # (tick scheduled, batch) per engine
         self.num_ticks = self.num_idle = 0

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tplab.distributed.parallel_state import broadcast_in_replica
+
 
 @dataclass(frozen=True)
 class Tick:
@@ -36,7 +38,7 @@ def check_stages(stage, num_layers: int, tp_size: int) -> None:
     mine = (list(stage.layers), bool(stage.has_embedding), bool(stage.has_head))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    stages, end = every[::tp_size], 0                  # each stage's TP rank 0
+    stages, end = every[:stage.pp_size * tp_size:tp_size], 0   # each stage's TP rank 0 (of the first DP rank)
     for s, (layers, embedding, head) in enumerate(stages):
         last = s == len(stages) - 1
         if not layers or layers != list(range(end, end + len(layers))):
@@ -68,9 +70,10 @@ class OneStage:
 class PipelineLoop:
     """This rank's stage of a pipeline with p batches in flight, one tick at a time (``LLMEngine.step``)."""
 
-    def __init__(self, runner, stage, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, runner, stage, hidden_size: int, dtype: torch.dtype, lockstep: bool = False):
         self.runner, self.stage = runner, stage
         self.hidden_size, self.dtype = hidden_size, dtype
+        self.lockstep = lockstep         # an MoE model under DP: an idle tick joins its MoE layers' exchanges
         self.timeline: list[Tick] = []
 
     def run(self, tick: int, in_flight: list) -> tuple[int, list] | None:
@@ -90,7 +93,9 @@ class PipelineLoop:
         """This stage's part of tick ``tick``: the batch of virtual engine ``v`` if it reached this stage now."""
         start, stage = time.monotonic(), self.stage
         if job is None or job[0] != tick - stage.pp_rank:
-            self.timeline.append(Tick(tick, stage.pp_rank, None, 0, start, start, start))
+            if self.lockstep:                                # its MoE layers with no tokens, as DataParallelStage
+                self.runner.model.dummy_forward()
+            self.timeline.append(Tick(tick, stage.pp_rank, None, 0, start, start, time.monotonic()))
             return None
         seqs = job[1]
         input_ids, meta = self.runner.prepare(seqs)
@@ -116,5 +121,5 @@ class PipelineLoop:
             for b, pair in enumerate(sampled):
                 if pair is not None:
                     buf[b, 0], buf[b, 1] = pair
-        dist.broadcast(buf, src=(self.stage.pp_size - 1) * self.runner.model.tp_size)   # the last stage's TP rank 0
+        broadcast_in_replica(buf, src=(self.stage.pp_size - 1) * self.runner.model.tp_size)   # last stage's TP rank 0
         return [None if token < 0 else (int(token), logprob) for token, logprob in buf.tolist()]
