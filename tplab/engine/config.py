@@ -62,7 +62,7 @@ def load_model_config(model_dir):
     return config
 
 
-def check_pp_size(config, pp_size, dp_size: int = 1) -> None:
+def check_pp_size(config, pp_size) -> None:
     """A pipeline stage owns at least one layer: ``1 <= pipeline_parallel_size <= num_hidden_layers``."""
     if isinstance(pp_size, bool) or not isinstance(pp_size, int) or pp_size < 1:
         raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pp_size!r}")
@@ -182,7 +182,7 @@ def _resolved(cfg: EngineConfig) -> dict:
         raise ValueError(f"enable_expert_parallel must be True or False, got {cfg.enable_expert_parallel!r}")
     check_tp_size(hf, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
     check_dp_size(hf, cfg.data_parallel_size, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
-    check_pp_size(hf, cfg.pipeline_parallel_size, cfg.data_parallel_size)
+    check_pp_size(hf, cfg.pipeline_parallel_size)
     if not isinstance(cfg.seed, int):
         raise ValueError(f"seed must be an int, got {cfg.seed!r}")
     if isinstance(cfg.timeout, bool) or not isinstance(cfg.timeout, (int, float)) or not cfg.timeout > 0:

@@ -120,7 +120,8 @@ class Gemm:
     def method_for(self, prefix: str) -> "GemmMethod":
         """The method of the layer called ``prefix`` (its module name, vLLM's ``prefix``), one per layer: the
         LM head's keeps its weight and packs a copy on demand; where few rows go to MKL, the ``PLAIN_WITH_MKL``
-        layers' keep theirs plain; every other layer's packs, where this ``Gemm`` packs."""
+        layers' keep theirs plain; an MoE layer's ``experts`` keep theirs plain (sliced per expert, multiplied
+        by ``product``); every other layer's packs, where this ``Gemm`` packs."""
         role = prefix.rpartition(".")[2]
         if role == "lm_head":
             return LMHeadMethod(self)
