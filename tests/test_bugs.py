@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import hf_greedy
-from tplab import LLM, SamplingParams, bugs, golden
+from tplab import LLM, SamplingParams, bugs, golden, models
 from tplab.engine.probe import load_model
 from tplab.layers.weights import WeightShapeError
 
@@ -81,12 +81,14 @@ def test_lm_head_missing_collapses_the_output_without_an_error(checkpoint, hf_mo
     assert out.logprobs == pytest.approx([-math.log(model.config.vocab_size)] * GREEDY.max_tokens)
 
 
-def test_full_load_per_rank_reads_the_whole_checkpoint_on_every_rank(checkpoint, hf_model):
-    folder = checkpoint("gqa")
+@pytest.mark.parametrize("model", ["gqa", "tiny_moe"])
+def test_full_load_per_rank_reads_the_whole_checkpoint_on_every_rank(model, checkpoint, hf_model):
+    """Dense, and an MoE whose ranks hold half the experts each (each expert's tensors by their own names)."""
+    folder = checkpoint("gqa") if model == "gqa" else models.tiny_moe()
     full = sum(t.numel() for t in load_file(folder / "model.safetensors").values())
     read = {}
     for names in ((), ("full_load_per_rank",)):
-        with LLM(folder, tensor_parallel_size=2, bugs=names) as llm:
+        with LLM(folder, tensor_parallel_size=2, enable_expert_parallel=model != "gqa", bugs=names) as llm:
             read[names] = [info["elements_read"] for info in llm.rank_info]
             if names:                                               # ...and the answers are right
                 assert llm.generate([PROMPT], GREEDY)[0].token_ids == hf_greedy(hf_model(folder), PROMPT, 8)[0]

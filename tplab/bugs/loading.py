@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from tplab.layers.embed_head import ParallelLMHead
-from tplab.models.loader import LoadReport, checkpoint_files, default_weight_loader, param_for
+from tplab.models.loader import (LoadReport, checkpoint_files, default_weight_loader, expert_for, expert_targets,
+                                 param_for)
 
 
 class UnloadedLMHead(ParallelLMHead):
@@ -67,6 +68,7 @@ def full_load_per_rank_load(model, model_dir, skip=frozenset()) -> LoadReport:
     which reads slices (``safe_open(...).get_slice``)."""
     from safetensors.torch import load
     params, names, elements_read = dict(model.named_parameters()), set(), 0
+    experts = expert_targets(model)                       # an MoE checkpoint's per-expert names
     for path in checkpoint_files(model_dir):
         # Every tensor, whole, in this rank's memory, as torch.load / AutoModel's state dict would be
         # (safetensors.torch.load_file would map the file instead and hide the cost).
@@ -74,8 +76,10 @@ def full_load_per_rank_load(model, model_dir, skip=frozenset()) -> LoadReport:
         elements_read += sum(t.numel() for t in state_dict.values())
         for name, tensor in state_dict.items():
             if name not in skip:
-                param_name, shard_id = param_for(model, name)
+                expert = expert_for(experts, name) if experts else None
+                param_name, shard_id = param_for(model, name) if expert is None else (expert[0], expert[2])
                 param = params[param_name]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+                expert_id = () if expert is None else (expert[1],)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id, *expert_id)
                 names.add(name)
     return LoadReport(names, elements_read)
