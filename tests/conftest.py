@@ -43,6 +43,19 @@ def checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def moe(request, tmp_path_factory):
+    """``moe(name)`` -> the checkpoint ``MODELS[name](folder)`` of the requesting test module (its MoE models,
+    each a ``models.save_random_*`` call), written once per module."""
+    made = {}
+
+    def make(name):
+        if name not in made:
+            made[name] = request.module.MODELS[name](tmp_path_factory.mktemp(name))
+        return made[name]
+    return make
+
+
 @pytest.fixture(scope="session")
 def hf_model():
     """``hf_model(folder)`` -> HF's own model on that checkpoint (its ``model_type``'s: Qwen2, Qwen3, Qwen2-MoE,

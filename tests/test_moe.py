@@ -27,17 +27,6 @@ FINE = ("gate", "experts", "shared_expert", "shared_expert_gate")   # inside an 
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    made = {}
-
-    def make(name):
-        if name not in made:
-            made[name] = MODELS[name](tmp_path_factory.mktemp(name))
-        return made[name]
-    return make
-
-
-@pytest.fixture(scope="module")
 def hf(hf_model, moe):
     """``hf(name)`` -> HF's own model on checkpoint ``name`` (conftest's ``hf_model``)."""
     return lambda name: hf_model(moe(name))

@@ -26,17 +26,6 @@ DP_EP = dict(data_parallel_size=2, enable_expert_parallel=True)
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    made = {}
-
-    def make(name):
-        if name not in made:
-            made[name] = MODELS[name](tmp_path_factory.mktemp(name))
-        return made[name]
-    return make
-
-
-@pytest.fixture(scope="module")
 def reference(hf_model, moe):
     cache = {}
 

@@ -1,17 +1,15 @@
 """The shipped tiny MoE: a Qwen3-MoE checkpoint in the Hub's per-expert names, tplab's greedy tokens equal HF's
 at TP 1/2/4 and with expert parallelism, its text is fluent, and the router spreads held-out text over every
 expert (the load is not collapsed onto a few)."""
-import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from test_tiny_stories import PROMPTS, assert_fluent_stories
 from tplab import LLM, SamplingParams, models
 
-PROMPTS = ["Once upon a time", "Lily went to the", "One day, Tom and his dad"]
-CORPUS_WORDS = {"the", "a", "and", "was", "to", "he", "she", "they", "said", "went", "saw", "day", "little"}
 # An even load is 1/8 = 12.5% of the top-2 picks per expert. The shipped model's smallest share of a layer's picks
 # on the 4 held-out stories below is 10.8% (on all validation stories 11.9%: its README's table); a router that
 # collapsed onto a few experts leaves the others near 0 (an earlier run, balanced only over the layers pooled,
@@ -68,15 +66,7 @@ def test_tplab_greedy_equals_hf(hf, settings):
 
 
 def test_greedy_text_is_fluent_story_english():
-    with LLM(models.tiny_moe()) as llm:
-        texts = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=60))]
-    for text in texts:
-        words = re.findall(r"[a-z]+", text.lower())
-        assert len(words) >= 25, text
-        assert len(set(words)) >= 15, f"too repetitive: {text!r}"
-        assert not re.search(r"\b(\w+)( \1){3,}\b", text.lower()), f"a word repeated 4 times running: {text!r}"
-        assert len(CORPUS_WORDS & set(words)) >= 4, text
-        assert "." in text
+    assert_fluent_stories(models.tiny_moe())
 
 
 def test_every_expert_gets_work_on_held_out_stories(hf):

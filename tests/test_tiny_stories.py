@@ -38,8 +38,10 @@ def test_tplab_greedy_equals_hf(hf, tp):
     assert [o.token_ids for o in outs] == hf[1]
 
 
-def test_greedy_text_is_fluent_story_english():
-    with LLM(models.tiny_stories()) as llm:
+def assert_fluent_stories(model_dir) -> None:
+    """Greedy continuations of ``PROMPTS`` read as story English: long enough, varied, no word stuck, the
+    corpus's words, a sentence's end (the shipped tiny models' check; ``test_tiny_moe`` uses it too)."""
+    with LLM(model_dir) as llm:
         texts = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=60))]
     for text in texts:
         words = re.findall(r"[a-z]+", text.lower())
@@ -48,6 +50,10 @@ def test_greedy_text_is_fluent_story_english():
         assert not re.search(r"\b(\w+)( \1){3,}\b", text.lower()), f"a word repeated 4 times running: {text!r}"
         assert len(CORPUS_WORDS & set(words)) >= 4, text
         assert "." in text
+
+
+def test_greedy_text_is_fluent_story_english():
+    assert_fluent_stories(models.tiny_stories())
 
 
 @pytest.mark.parametrize("bug", ["mask_mul_inf", "lm_head_missing"])

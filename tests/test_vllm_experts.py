@@ -31,17 +31,6 @@ MODELS = {   # experts of 64: whole blocks of the kernel's 32 at TP 1 and 2
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    made = {}
-
-    def make(name):
-        if name not in made:
-            made[name] = str(MODELS[name](tmp_path_factory.mktemp(name)))
-        return made[name]
-    return make
-
-
-@pytest.fixture(scope="module")
 def reference(moe, hf_model):
     cache = {}
 

@@ -21,9 +21,7 @@ README written beside the model shows that table, and ``scripts/tiny_moe/check.p
 
 from __future__ import annotations
 
-import json
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -162,12 +160,7 @@ def cpu_name() -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    out, t0 = dense.start(args), time.time()
 
     tok, eos_id, vocab, model_vocab, train_stream, val_stream = dense.prepare_data(args)
     model = make_moe_model(args, model_vocab, eos_id)
@@ -184,14 +177,9 @@ def main(argv=None):
     samples = dense.sample(model, tok, dense.PROMPTS)
     for s in samples:
         print("---\n" + s, flush=True)
-    total_wall = time.time() - t0
     write_readme(out, recipe, final_val, train_wall, load, samples, argv)
-    (out / "train_log.json").write_text(json.dumps(
-        {"final_val_loss": final_val, "train_wall_s": train_wall, "total_wall_s": total_wall,
-         "n_params": n_params, "vocab": vocab, "expert_load_min": load.min().item(),
-         "expert_load_max": load.max().item()}, indent=2) + "\n")
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(f"saved to {out} ({size / 1e6:.2f} MB); total wall time {total_wall / 60:.1f} min", flush=True)
+    dense.finish(out, t0, {"final_val_loss": final_val, "train_wall_s": train_wall, "n_params": n_params,
+                           "vocab": vocab, "expert_load_min": load.min().item(), "expert_load_max": load.max().item()})
 
 
 if __name__ == "__main__":

@@ -257,15 +257,28 @@ def save(model, tok, out: Path, eos_id: int):
     tc_path.write_text(json.dumps(tc, indent=2) + "\n")
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+def start(args) -> Path:
+    """Threads and seeds from ``args``; the output folder, made."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    return out
+
+
+def finish(out: Path, t0: float, log: dict) -> None:
+    """``train_log.json`` (``log`` and the total wall time), and what was saved."""
+    total_wall = time.time() - t0
+    (out / "train_log.json").write_text(json.dumps({**log, "total_wall_s": total_wall}, indent=2) + "\n")
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"saved to {out} ({size / 1e6:.2f} MB); total wall time {total_wall / 60:.1f} min", flush=True)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    out, t0 = start(args), time.time()
 
     tok, eos_id, vocab, model_vocab, train_stream, val_stream = prepare_data(args)
     model = make_model(args, model_vocab, eos_id)
@@ -279,13 +292,8 @@ def main(argv=None):
     samples = sample(model, tok, PROMPTS)
     for s in samples:
         print("---\n" + s, flush=True)
-    total_wall = time.time() - t0
     write_readme(out, recipe, final_val, train_wall, samples, argv)
-    (out / "train_log.json").write_text(json.dumps(
-        {"final_val_loss": final_val, "train_wall_s": train_wall, "total_wall_s": total_wall,
-         "n_params": n_params, "vocab": vocab}, indent=2) + "\n")
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(f"saved to {out} ({size / 1e6:.2f} MB); total wall time {total_wall / 60:.1f} min", flush=True)
+    finish(out, t0, {"final_val_loss": final_val, "train_wall_s": train_wall, "n_params": n_params, "vocab": vocab})
 
 
 if __name__ == "__main__":

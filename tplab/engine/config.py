@@ -208,7 +208,7 @@ def _resolved(cfg: EngineConfig) -> dict:
                 device=device, static_decode=resolve_static_decode(cfg, parts, device, hf))
 
 
-def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str, hf=None) -> bool:
+def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str, hf) -> bool:
     """Whether decode steps run at fixed shapes: by default where they are replayed as CUDA graphs (CUDA,
     not ``enforce_eager``), on request anywhere. Not with what changes a step's shapes or reads its values
     on the host: pipeline stages, sequence parallelism's token split, ``check_finite``, an MoE model's experts
