@@ -5,7 +5,6 @@ and reports their ratio, because absolute numbers on a shared 2-core machine are
 """
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -20,7 +19,7 @@ import torch  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 CACHE_DIR = Path(os.environ.get("TPLAB_BENCH_CACHE", Path.home() / ".cache" / "tplab-bench"))
-from machines import machine_folder, results_path  # noqa: E402,F401  (bench/results/<machine>/)
+from machines import machine, machine_folder, machine_info, results_path, same_machine  # noqa: E402,F401
 
 # Qwen2.5-0.5B's exact shape (its config.json), random weights.
 QWEN25_05B = dict(
@@ -234,50 +233,6 @@ def print_table(rows: list[Row], out=sys.stdout) -> None:
 
 
 # CPU features that decide which kernels oneDNN, MKL and inductor pick (fp32 and bf16 GEMM, AMX tiles)
-KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-                "amx_fp16")
-
-
-def _cpuinfo() -> tuple[str, str, list[str]]:
-    """(model name, vendor, the KERNEL_FLAGS this CPU has) from /proc/cpuinfo (Linux), else platform's."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set(fields.get("flags", "").split())
-    return (fields.get("model name") or platform.processor() or "unknown", fields.get("vendor_id", platform.machine()),
-            [f for f in KERNEL_FLAGS if f in flags])
-
-
-def machine_info() -> dict:
-    """What a result was measured on, stored beside it: results from different machines are not mixed."""
-    import psutil
-    import transformers
-    cpu, vendor, flags = _cpuinfo()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu_model": cpu, "cpu_vendor": vendor, "cpu_flags": flags,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "gpu": gpu,
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "logical_cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "load_average_at_start": os.getloadavg()}
-
-
-def machine() -> str:
-    """One line naming the machine, for the head of every printed table."""
-    m = machine_info()
-    return (f"{m['cpu_model']} ({m['cpu_vendor']}), {m['cores']} cores, flags {' '.join(m['cpu_flags']) or '-'}, "
-            f"torch {m['torch']} ({m['torch_cpu_capability']} kernels)" + (f", GPU {m['gpu']}" if m["gpu"] else ""))
-
-
-def same_machine(a: dict, b: dict) -> bool:
-    """Whether two results' ``machine_info`` name the same kind of machine (CPU, cores, flags, GPU)."""
-    return all(a.get(k) == b.get(k) for k in ("cpu_model", "cores", "cpu_flags", "gpu"))
-
-
 def rows_to_json(rows: list[Row]) -> list[dict]:
     return [asdict(r) for r in rows]
 

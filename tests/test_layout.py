@@ -63,14 +63,15 @@ def graph() -> dict[str, set[str]]:
                 and not m.startswith(d + ".")} for m, ds in edges.items()}
 
 
-def test_no_import_cycle():
-    edges, state, cycles = graph(), {}, []
+def cycles(edges: dict[str, set[str]]) -> list[str]:
+    """Every import cycle of a graph ``{module: the modules it imports}``, as ``a -> b -> a``."""
+    state, found = {}, []
 
     def visit(m, path):
         state[m] = "open"
         for d in sorted(edges[m]):
             if state.get(d) == "open":
-                cycles.append(" -> ".join(path[path.index(d):] + [d]))
+                found.append(" -> ".join(path[path.index(d):] + [d]))
             elif d not in state:
                 visit(d, path + [d])
         state[m] = "done"
@@ -78,7 +79,37 @@ def test_no_import_cycle():
     for m in sorted(edges):
         if m not in state:
             visit(m, [m])
-    assert not cycles, f"import cycles: {cycles}"
+    return found
+
+
+def test_no_import_cycle():
+    assert not cycles(graph()), f"import cycles: {cycles(graph())}"
+
+
+def flat_imports(path: pathlib.Path, names: set[str]) -> set[str]:
+    """The scripts among ``names`` that a script run from its own folder imports (``import common``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return (found & names) - {path.stem}
+
+
+@pytest.mark.parametrize("folder", ["bench", "scripts", "scripts/tiny_stories", "scripts/tiny_moe"])
+def test_no_import_cycle_among_the_scripts(folder):
+    """The benchmarks and scripts import each other by file name (their folder on ``sys.path``): no cycle there
+    either."""
+    files = {p.stem: p for p in (ROOT.parent / folder).glob("*.py")}
+    assert files, f"no scripts in {folder}"
+    edges = {name: flat_imports(p, set(files)) for name, p in files.items()}
+    assert not cycles(edges), f"import cycles in {folder}: {cycles(edges)}"
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    assert cycles({"common": {"machines"}, "machines": {"common"}}) == ["common -> machines -> common"]
+    assert cycles({"common": {"machines"}, "machines": set()}) == []
 
 
 @pytest.mark.parametrize("side", ENGINE_SIDE)
