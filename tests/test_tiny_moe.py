@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_tiny_stories import PROMPTS, assert_fluent_stories
+from test_tiny_stories import PROMPTS, assert_fluent_stories, hf_greedy
 from tplab import LLM, SamplingParams, models
 
 # An even load is 1/8 = 12.5% of the top-2 picks per expert. The shipped model's smallest share of a layer's picks
@@ -30,16 +30,7 @@ def held_out_stories(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    folder = models.tiny_moe()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    outs = []
-    for text in PROMPTS:
-        ids = tokenizer.encode(text)
-        with torch.no_grad():
-            outs.append(model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):].tolist())
-    return tokenizer, model, outs
+    return hf_greedy(models.tiny_moe())
 
 
 def test_folder_is_small_and_a_hub_style_qwen3_moe(hf):

@@ -10,17 +10,22 @@ PROMPTS = ["Once upon a time", "Lily went to the", "One day, Tom and his dad"]
 CORPUS_WORDS = {"the", "a", "and", "was", "to", "he", "she", "they", "said", "went", "saw", "day", "little"}
 
 
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoTokenizer, Qwen2ForCausalLM
-    folder = models.tiny_stories()
+def hf_greedy(folder):
+    """HF's tokenizer and model of a shipped checkpoint, and its 40 greedy tokens after each of ``PROMPTS``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     outs = []
     for text in PROMPTS:
         ids = tokenizer.encode(text)
         with torch.no_grad():
             outs.append(model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids):].tolist())
+    return tokenizer, model, outs
+
+
+@pytest.fixture(scope="module")
+def hf():
+    tokenizer, _, outs = hf_greedy(models.tiny_stories())
     return tokenizer, outs
 
 
