@@ -9,7 +9,7 @@ import torch
 
 from tplab import models
 from tplab.kernels.vllm_cpu import load_kernel
-from tplab import tolerance
+from tplab import golden, tolerance
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -82,9 +82,8 @@ class Greedy(tuple):
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> Greedy:
     """HF ``generate`` greedy tokens for one prompt, and their logprobs from one HF forward."""
+    out = golden.hf_greedy_tokens(model, [prompt], max_new_tokens)[0]
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             min_new_tokens=max_new_tokens)[0, len(prompt):].tolist()
         logits = model(torch.tensor([prompt + out])).logits[0].float()
     logprobs = logits.log_softmax(-1)
     return Greedy(out, [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)],

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_tiny_stories import PROMPTS, assert_fluent_stories, hf_greedy
+from test_tiny_stories import PROMPTS, assert_fluent_stories, hf_story_tokens
 from tplab import LLM, SamplingParams, models
 
 # An even load is 1/8 = 12.5% of the top-2 picks per expert. The shipped model's smallest share of a layer's picks
@@ -30,7 +30,7 @@ def held_out_stories(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def hf():
-    return hf_greedy(models.tiny_moe())
+    return hf_story_tokens(models.tiny_moe())
 
 
 def test_folder_is_small_and_a_hub_style_qwen3_moe(hf):

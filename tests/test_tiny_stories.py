@@ -10,7 +10,7 @@ PROMPTS = ["Once upon a time", "Lily went to the", "One day, Tom and his dad"]
 CORPUS_WORDS = {"the", "a", "and", "was", "to", "he", "she", "they", "said", "went", "saw", "day", "little"}
 
 
-def hf_greedy(folder):
+def hf_story_tokens(folder):
     """HF's tokenizer and model of a shipped checkpoint, and its 40 greedy tokens after each of ``PROMPTS``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -25,7 +25,7 @@ def hf_greedy(folder):
 
 @pytest.fixture(scope="module")
 def hf():
-    tokenizer, _, outs = hf_greedy(models.tiny_stories())
+    tokenizer, _, outs = hf_story_tokens(models.tiny_stories())
     return tokenizer, outs
 
 

@@ -58,6 +58,13 @@ def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor
     return {**acts, "logits": logits.float()}
 
 
+def hf_greedy_tokens(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """HF's own ``generate``: exactly ``num_tokens`` greedy tokens after each prompt, one prompt at a time."""
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                               do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
 def rank_activations(model_dir, input_ids: list[int], tensor_parallel_size: int = 1, bugs=(), parts=None,
                      dtype: str = "float32", sequence_parallel: bool = False) -> dict[str, torch.Tensor] | None:
     """Inside a rank (or in-process at TP 1): build this rank's shard, prefill ``input_ids`` once with

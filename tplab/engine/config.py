@@ -20,7 +20,7 @@ from tplab.layers.moe import FusedMoE
 from tplab.layers.rotary import check_rope_supported
 from tplab.models.loader import checkpoint_files
 from tplab.models.qwen2 import head_dim_of
-from tplab.models.registry import MODELS, check_dp_size, check_tp_size, supported
+from tplab.models.registry import MODELS, check_dp_size, check_tp_size, has_experts, supported
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -83,14 +83,14 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def default_batched_tokens(device, hf_config=None) -> int:
+def default_batched_tokens(device, hf_config) -> int:
     """Tokens per step when ``max_num_batched_tokens`` is not given: 4096 on a GPU (vLLM's default); on CPU
     512 for a dense model, 2048 for a mixture of experts. A dense step of 512 tokens keeps a layer's
     activations (512 x 9728 floats out of Qwen2.5-0.5B's gate_up_proj: 20 MB) in the last-level cache and in
     memory the allocator reuses; at 4096 they are 160 MB of fresh pages per matmul, and prefill ran 10% slower
     (bench/). An MoE step reads every expert its tokens chose, all of them from a few hundred tokens on, so a
     prompt cut into chunks reads the experts' weights once a chunk: fewer, longer steps read them fewer times."""
-    return 4096 if torch.device(device).type == "cuda" else 2048 if getattr(hf_config, "num_experts", 0) else 512
+    return 4096 if torch.device(device).type == "cuda" else 2048 if has_experts(hf_config) else 512
 
 
 def _env_flag(name: str, default: str = "1") -> bool:
@@ -139,7 +139,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: see engine.kv_cache_budget
     max_num_seqs: int = 16             # sequences in flight per step
     max_num_batched_tokens: int | None = None  # tokens per step (a longer prompt is prefilled in chunks);
-                                        # None: default_batched_tokens(device, model)
+                                        # None: default_batched_tokens(device, hf_config)
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
     sequence_parallel: bool = False    # TP > 1: reduce-scatter + all-gather over tokens instead of all-reduce
@@ -220,7 +220,7 @@ def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str, hf) -> b
                              f"got {getattr(cfg, name)!r}")
     blockers = {"pipeline_parallel_size > 1": cfg.pipeline_parallel_size > 1,
                 "sequence_parallel=True": cfg.sequence_parallel and cfg.tensor_parallel_size > 1,
-                "check_finite=True": cfg.check_finite, "an MoE model": bool(getattr(hf, "num_experts", 0)),
+                "check_finite=True": cfg.check_finite, "an MoE model": has_experts(hf),
                 f"attention {_name(parts.attention)} with attend {_name(parts.attend)} (they do not say they "
                 "take a step at fixed shapes: Attention.takes_padded_decodes)": not attends_padded(parts)}
     reasons = [why for why, blocks in blockers.items() if blocks]

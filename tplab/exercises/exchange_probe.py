@@ -23,13 +23,12 @@ from tplab.engine.data_parallel import in_prompt_order
 from tplab.engine.sampling import SamplingParams
 from tplab.exercises import ExerciseResult
 from tplab.exercises.exchange_watch import CASES, E, TOP_K, WORLD, expert_outputs, inputs, run
-from tplab.exercises.in_engine import checked, kept_ranks
+from tplab.exercises.in_engine import NEW_TOKENS, checked, kept_ranks
 from tplab.exercises.watchdog import bound_for, call_bounded
 
 PER_RANK = E // WORLD
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and", "Tom and his dog went to"]
 SHARES = [[[0, 1], [2]], [[0], []]]        # two rounds: both DP ranks busy, then DP rank 1 idle
-NEW_TOKENS = 12
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,10 +40,8 @@ def reference() -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    with torch.no_grad():
-        tokens = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                              do_sample=False)[0, len(p):].tolist() for p in prompts]
-    return {"model": str(model_dir), "prompts": prompts, "tokens": tokens, "acts": golden.hf_activations(hf, prompts[0])}
+    return {"model": str(model_dir), "prompts": prompts, "tokens": golden.hf_greedy_tokens(hf, prompts, NEW_TOKENS),
+            "acts": golden.hf_activations(hf, prompts[0])}
 
 
 def true_traffic(case: int) -> list[list[int]]:

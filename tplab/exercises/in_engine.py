@@ -20,7 +20,7 @@ from tplab.engine.worker import Worker
 from tplab.models.checkpoints import tiny_stories
 from tplab.exercises.layer_probes import ForgotReturn
 from tplab.exercises.watchdog import bound_for, call_bounded
-from tplab.golden import activation_names, all_tokens, hf_activations
+from tplab.golden import activation_names, all_tokens, hf_activations, hf_greedy_tokens
 
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and"]
 # a shared prefix, more KV than the cache holds: the block manager shares blocks, preempts and recomputes
@@ -36,10 +36,7 @@ def reference() -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts, workload = ([tokenizer.encode(p) for p in texts] for texts in (PROMPTS, WORKLOAD))
-    with torch.no_grad():
-        tokens, workload_tokens = ([hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                                min_new_tokens=NEW_TOKENS)[0, len(p):].tolist() for p in ps]
-                                   for ps in (prompts, workload))
+    tokens, workload_tokens = (hf_greedy_tokens(hf, ps, NEW_TOKENS) for ps in (prompts, workload))
     return {"model": str(model_dir), "prompts": prompts, "tokens": tokens, "acts": hf_activations(hf, prompts[0]),
             "workload": workload, "workload_tokens": workload_tokens}
 
