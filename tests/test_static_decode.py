@@ -5,6 +5,7 @@ stale-buffer pitfall's fingerprint; and the settings that cannot run it refused 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, models
@@ -51,6 +52,24 @@ def test_only_decode_steps_run_padded(checkpoint):
         static.forward = lambda seqs: buckets_run.append(len(seqs)) or forward(seqs)
         llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4, ignore_eos=True))
     assert buckets_run == [3, 3, 3], buckets_run                  # 3 decode steps after the prefill step
+
+
+def test_the_padded_step_makes_its_length_mask_once_a_step(checkpoint):
+    """Every layer reads one mask of the rows' lengths, made by the first layer from the lengths' tensor (in a
+    graph, by each replay): 4 kernels a step rather than 4 a layer, where a GPU's step is bound by launches."""
+    with LLM(checkpoint("gqa"), static_decode=True, max_num_seqs=2) as llm:
+        static, fills = llm._worker.engine.runner.static, []
+        forward = static.forward
+
+        def profiled(seqs):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                hidden = forward(seqs)
+            fills.append(sum(e.name == "aten::masked_fill_" for e in prof.events()))
+            return hidden
+        static.forward = profiled
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True))
+        layers = llm.config.hf_config.num_hidden_layers
+    assert layers > 1 and fills == [1, 1], f"masks made per decode step: {fills}, in a model of {layers} layers"
 
 
 def test_stale_buffers_fingerprint(checkpoint, reference):

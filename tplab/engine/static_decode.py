@@ -114,21 +114,23 @@ class StaticDecode:
         return AttentionMetadata(positions=v["positions"], slot_mapping=v["slot_mapping"],
                                  query_start_loc=list(range(n + 1)), seq_lens=None, kv_slots=None,
                                  kv_start_loc=None, visible=None,
-                                 decode=PaddedDecode(v["block_tables"], v["context_lens"]))
+                                 decode=PaddedDecode(v["block_tables"], v["context_lens"], self.block_size))
 
     def capture(self, n: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Record bucket (n, w)'s forward as a CUDA graph; the graph and the tensor its replays write to.
         A warm-up run first (on a side stream, as capture requires) makes every lazy allocation and
-        kernel choice before recording; it computes this step's K/V too, the same values the replay writes."""
-        meta, ids = self.metadata(n, w), self.input_ids[:n]
+        kernel choice before recording; it computes this step's K/V too, the same values the replay writes.
+        Each run gets metadata of its own: what the first layer makes for the others (the lengths' mask) is
+        then made inside the graph, and each replay makes it again from the buffers, never the warm-up's."""
+        ids = self.input_ids[:n]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.model(ids, self.kv_caches, meta)
+            self.model(ids, self.kv_caches, self.metadata(n, w))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(ids, self.kv_caches, meta)                # (n, E), at the pool's address
+            hidden = self.model(ids, self.kv_caches, self.metadata(n, w))     # (n, E), at the pool's address
         self.pool = graph.pool()
         return graph, hidden
 

@@ -33,10 +33,10 @@ def score_mask(dec: DecodeBlocks, num_heads: int, num_kv_heads: int) -> torch.Te
     return dec.per_step[key]
 
 
-def padded_bias(dec: DecodeBlocks, dtype: torch.dtype) -> torch.Tensor:
-    """For ``dense_decode``: ``padded_hidden`` as an additive mask, ``(Bd, 1, 1, nb_max * bs)`` in
-    ``dtype``: 0 where a slot holds a key, -inf elsewhere. Made once per step, on the device (no host
-    data is read inside the forward: on a GPU that would make the host wait)."""
+def padded_bias(dec: DecodeBlocks | PaddedDecode, dtype: torch.dtype) -> torch.Tensor:
+    """For ``dense_decode`` and ``padded_decode``: ``padded_hidden`` as an additive mask, ``(Bd, 1, 1, L)`` in
+    ``dtype``: 0 where a slot holds a key, -inf elsewhere. Made by the first layer of a step and read by the
+    others, on the device (no host data is read inside the forward: on a GPU that would make the host wait)."""
     key = ("bias", dtype)
     if key not in dec.per_step:
         hidden = dec.padded_hidden
@@ -103,14 +103,12 @@ def padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """A decode step at fixed shapes (the step a CUDA graph replays): q ``(Bp, H, D)``, each row against the
     blocks of its padded table, ``(Bp, W * bs)`` keys, under a mask of its length made from the lengths'
-    tensor (no host value is read, so the same kernels serve every step of the bucket) -> ``(Bp, H, D)``."""
+    tensor once a step (no host value is read, so the same kernels serve every step of the bucket) -> ``(Bp, H, D)``."""
     bp, h, d = q.shape
-    h_kv = k_cache.shape[2]
-    k = k_cache.index_select(0, dec.block_tables.reshape(-1)).view(bp, -1, h_kv, d).transpose(1, 2)   # (Bp, H_kv, L, D)
-    v = v_cache.index_select(0, dec.block_tables.reshape(-1)).view(bp, -1, h_kv, d).transpose(1, 2)
-    hidden = torch.arange(k.shape[2], device=q.device) >= dec.context_lens[:, None]                  # (Bp, L)
-    bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
-    o = F.scaled_dot_product_attention(q.view(bp, h_kv, h // h_kv, d), k, v, attn_mask=bias[:, None, None, :],
+    h_kv, table = k_cache.shape[2], dec.block_tables.reshape(-1)
+    k = k_cache.index_select(0, table).view(bp, -1, h_kv, d).transpose(1, 2)      # (Bp, H_kv, L, D), L = W * bs
+    v = v_cache.index_select(0, table).view(bp, -1, h_kv, d).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.view(bp, h_kv, h // h_kv, d), k, v, attn_mask=padded_bias(dec, q.dtype),
                                        scale=scale)
     return o.reshape(bp, h, d)
 
