@@ -1,7 +1,7 @@
 """The compiled path (``LLM(..., compile=True)``, ``tplab.engine.compiled``) against the eager one and HF:
-greedy tokens equal, logprobs within the documented bound, at TP 1 and TP 2; one graph for every token
-count but 1 (no recompile per step); and where no C++ compiler is present or compiling fails, the eager
-model runs with one line saying so and the same results, bit for bit.
+greedy tokens equal, logprobs within the documented bound, at TP 1 and TP 2 and with the decode step at fixed
+shapes; one graph for every token count but 1 (no recompile per step); and where no C++ compiler is present
+or compiling fails, the eager model runs with one line saying so and the same results, bit for bit.
 
 Compiling takes tens of seconds on 2 cores, so this file compiles each model once (module fixtures) and
 the fallbacks run where nothing is compiled."""
@@ -65,6 +65,16 @@ def test_compiled_tp2_equals_hf(checkpoint, hf_model):
         outputs = llm.generate(PROMPTS, GREEDY)
         stats = llm.stats()
     assert stats["compiled_forwards"] == stats["num_steps"] > 0
+    within_hf(outputs, hf_model, checkpoint("gqa"))
+
+
+def test_compiled_static_decode_equals_hf(checkpoint, hf_model):
+    """``compile=True`` with the decode steps at fixed shapes: what a GPU captures in its graphs with
+    ``compile=True``, run eagerly here (decode steps of 3 sequences, padded to the bucket of 4)."""
+    with LLM(checkpoint("gqa"), compile=True, static_decode=True) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        stats = llm.stats()
+    assert stats["compiled_forwards"] == stats["num_steps"] > 0 and stats["static_decode_steps"] > 0, stats
     within_hf(outputs, hf_model, checkpoint("gqa"))
 
 
