@@ -57,7 +57,7 @@ def test_only_decode_steps_run_padded(checkpoint):
 def test_the_padded_step_makes_its_length_mask_once_a_step(checkpoint):
     """Every layer reads one mask of the rows' lengths, made by the first layer from the lengths' tensor (in a
     graph, by each replay): 4 kernels a step rather than 4 a layer, where a GPU's step is bound by launches."""
-    with LLM(checkpoint("gqa"), static_decode=True, max_num_seqs=2) as llm:
+    with LLM(checkpoint("gqa"), static_decode=True, max_num_seqs=2, device="cpu") as llm:     # eager: no replay
         static, fills = llm._worker.engine.runner.static, []
         forward = static.forward
 
