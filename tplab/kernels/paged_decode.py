@@ -103,7 +103,8 @@ def padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """A decode step at fixed shapes (the step a CUDA graph replays): q ``(Bp, H, D)``, each row against the
     blocks of its padded table, ``(Bp, W * bs)`` keys, under a mask of its length made from the lengths'
-    tensor once a step (no host value is read, so the same kernels serve every step of the bucket) -> ``(Bp, H, D)``."""
+    tensor once a step (no host value is read, so the same kernels serve every step of the bucket)
+    -> ``(Bp, H, D)``."""
     bp, h, d = q.shape
     h_kv, table = k_cache.shape[2], dec.block_tables.reshape(-1)
     k = k_cache.index_select(0, table).view(bp, -1, h_kv, d).transpose(1, 2)      # (Bp, H_kv, L, D), L = W * bs

@@ -58,7 +58,7 @@ class PaddedDecode:
     slots of its blocks ``block_tables[b]``; every row is one decode query."""
     block_tables: torch.Tensor    # (Bp, W) long: each row's blocks, padded to W with blocks it does not read
     context_lens: torch.Tensor    # (Bp,) long: each row's keys (cached + its new one), at least 1
-    block_size: int
+    block_size: int               # slots per block
     per_step: dict = field(default_factory=dict, repr=False, compare=False)  # what an attend makes once a step
 
     @property
@@ -67,7 +67,7 @@ class PaddedDecode:
 
     @property
     def padded_hidden(self) -> torch.Tensor:
-        """``(Bp, W * bs)`` bool: a slot past the end of its row's keys. Computed from the lengths' tensor
-        whenever it is read, so inside a CUDA graph it is this replay's, made from the buffers' values."""
+        """``(Bp, W * bs)`` bool: a slot past the end of its row's keys. Computed on the device from the lengths'
+        tensor when read: inside a CUDA graph its kernels are recorded, and every replay computes it anew."""
         keys = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.context_lens.device)
         return keys >= self.context_lens[:, None]
