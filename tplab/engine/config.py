@@ -118,8 +118,8 @@ def plain_config(hf_config):
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Every setting of an engine, resolved once against the checkpoint and the machine: ``LLM(model,
-    **settings)`` makes one, and every rank receives it as it is. The fields are the settings ``LLM``,
-    ``probe.load_model`` and ``tplab.exercises.check_part`` take; the comment says what each becomes.
+    **settings)`` makes one, and every rank receives it as it is. The fields are the settings ``LLM`` and
+    ``probe.load_model`` take; the comment says what each becomes.
     Bad input fails here, with a message that says what to change, before any rank starts.
     """
     model: str                         # a checkpoint folder, or a hub id -> the local folder
