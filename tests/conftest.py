@@ -2,6 +2,7 @@
 check that a test leaves no rank process behind (live_children, no_new_children)."""
 import os
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
@@ -13,6 +14,8 @@ from tplab import golden, tolerance
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))   # the workbook, in order
 
 # How close to HF is close enough lives in one place, tplab.tolerance (relative to each
 # activation's size and the dtype's rounding); hf_greedy hands tests the bound for its logprobs.

@@ -8,11 +8,10 @@ that executed them; on another Python JupyterLab records yours, which only that 
 The browser test (``./workbook.sh test-browser``) checks the same thing in a real JupyterLab.
 """
 import json
-from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+from conftest import NOTEBOOKS
 
 
 def lab_kernelspec() -> dict:

@@ -2,11 +2,11 @@
 exercises and their Answers, one answer to each exercise (bullets or a numbered list)."""
 import json
 import re
-from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+from conftest import NOTEBOOKS
+
 ENDING = ["## Summary", "## Further exercises", "### Answers"]
 
 

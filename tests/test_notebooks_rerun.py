@@ -20,8 +20,9 @@ import pytest
 from nbclient import NotebookClient
 from nbval.plugin import coalesce_streams, get_sanitize_patterns
 
+from conftest import NOTEBOOKS
+
 ROOT = Path(__file__).parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SANITIZE = get_sanitize_patterns((ROOT / "nbval_sanitize.cfg").read_text())
 # the fields nbval leaves out of its comparison (without --nbdime, images too)
 NOT_COMPARED = {"metadata", "traceback", "prompt_number", "output_type", "name", "execution_count",
