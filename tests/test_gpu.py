@@ -15,7 +15,7 @@ import torch
 
 from tplab import LLM, SamplingParams, launch, models
 from tplab import tolerance, workbook
-from tplab.engine.llm_engine import graph_memory_bound
+from tplab.engine.llm_engine import graph_memory_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the functions below run in ranks
 
@@ -158,7 +158,7 @@ def test_a_notebook_cell_with_cpu_tensors_runs_under_the_backend_the_notebooks_p
 
 def test_the_kv_cache_takes_90_percent_of_the_gpu_memory_left_after_the_weights(tmp_path):
     """``kv_cache_budget`` on CUDA: 90% of ``torch.cuda.mem_get_info``'s free bytes once the weights are loaded,
-    less the bound on what the CUDA graphs' pool may take (``graph_memory_bound``).
+    less the bound on what the CUDA graphs' pool may take (``graph_memory_for``).
     A checkpoint whose longest sequences need more than any GPU holds, so memory (not the model) is the limit."""
     path = models.save_random_qwen2(tmp_path / "long", hidden_size=1024, num_attention_heads=8, num_key_value_heads=8,
                                     intermediate_size=256, num_hidden_layers=4, max_position_embeddings=131072)
@@ -170,7 +170,7 @@ def test_the_kv_cache_takes_90_percent_of_the_gpu_memory_left_after_the_weights(
     try:
         stats = llm.stats()
         assert stats["num_kv_blocks"] < useful, "the cache was capped by the model's length, not by memory"
-        graphs = graph_memory_bound(llm.config)                   # kept free for the CUDA graphs' pool
+        graphs = graph_memory_for(llm.config)                   # kept free for the CUDA graphs' pool
         assert 0.85 * free_before - graphs <= stats["kv_cache_bytes"] <= 0.9 * free_before - graphs, (stats, free_before)
         assert torch.cuda.mem_get_info()[0] < 0.12 * free_before + graphs
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]   # room left to run

@@ -119,7 +119,7 @@ def test_dispatch_sends_each_choice_to_its_expert_once():
     layer = FusedMoE(E, K, H, I, tp_rank=1, tp_size=2, enable_expert_parallel=True)     # experts 4..7
     ids = torch.tensor([[0, 5], [7, 4], [4, 1], [2, 3]])
     got = {(layer.local_experts[local], int(row), int(slot))
-           for local, rows, slots in layer.dispatch(ids) for row, slot in zip(rows, slots)}
+           for local, rows, slots in layer.rows_by_expert(ids) for row, slot in zip(rows, slots)}
     assert got == {(5, 0, 1), (7, 1, 0), (4, 1, 1), (4, 2, 0)}
 
 

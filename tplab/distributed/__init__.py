@@ -1,6 +1,7 @@
 """Ranks and the collectives between them.
 
 ``launcher``       ``launch(fn, world_size)`` and ``RankGroup``: rank processes from a notebook cell
+``rank_start``     how a rank process starts: from the fork server, or spawned
 ``rank_process``   what runs inside one of those processes
 ``layout``         how the ranks are arranged: TP groups, pipeline stages or data-parallel ranks
 ``parallel_state`` this rank's place in the TP group, the collectives TP needs, and the experts' all-to-all

@@ -22,7 +22,7 @@ class Layout:
     """How this process's ranks are arranged: ``dp_size`` data-parallel ranks of ``pp_size`` stages of ``tp_size``
     TP ranks each, and how this TP group's collectives (and under DP, the EP group's) travel."""
     world: object                # the dist.group.WORLD it was decided for: a new process group makes it stale
-    group: object                # this stage's TP group (WORLD at PP 1; None at TP 1, which runs no collective)
+    group: object                # this stage's TP group (WORLD at PP 1 and DP 1; None at TP 1, which runs no collective)
     tp_rank: int
     tp_size: int
     pp_rank: int = 0
@@ -56,7 +56,7 @@ def current_layout() -> Layout | None:
 
 def tp_rank_and_size(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
     """Fill in whichever of ``tp_rank``/``tp_size`` is None from this stage's TP group (the process group's
-    rank and size at PP 1), or 0/1 without a group."""
+    rank and size at PP 1 and DP 1), or 0/1 without a group."""
     layout = current_layout()
     if layout is not None:
         group_rank, group_size = layout.tp_rank, layout.tp_size

@@ -64,10 +64,10 @@ def _recorded(op: str, x: torch.Tensor, comm, run, *args, to_others: int | None 
     return out
 
 
-def divide(numerator: int, denominator: int, what: str = "size") -> int:
-    """``numerator // denominator``, refusing to silently drop a remainder."""
+def divide(numerator: int, denominator: int, what: str = "size", by: str = "tp_size") -> int:
+    """``numerator // denominator``, refusing to silently drop a remainder; ``by`` names the denominator."""
     if numerator % denominator != 0:
-        raise ValueError(f"{what} {numerator} is not divisible by tp_size {denominator}")
+        raise ValueError(f"{what} {numerator} is not divisible by {by} {denominator}")
     return numerator // denominator
 
 
@@ -85,8 +85,8 @@ def _tp_group(tp_size: int) -> tuple[object, Layout | None]:
             f"a process group of {dist.get_world_size()}" if dist.is_initialized() else "no process group")
     raise RuntimeError(
         f"a collective over tp_size={tp_size} ranks needs a process group of that size (found {have}); "
-        "run inside tplab.launch / torchrun, or build the layer with reduce_results=False / "
-        "gather_output=False and combine the shards yourself")
+        "run inside tplab.launch / torchrun, or build the layer with reduce_results=False (call the LM head "
+        "with gather_output=False) and combine the shards yourself")
 
 
 def _collective(name: str, impl, x: torch.Tensor, tp_size: int, *args) -> torch.Tensor:
@@ -212,7 +212,7 @@ def all_to_all(x: torch.Tensor, traffic: list[list[int]]) -> torch.Tensor:
     if len(traffic) == 1:
         return x
     layout = _ep(len(traffic))
-    me = layout.dp_rank * layout.tp_size + layout.tp_rank          # the world rank, at PP 1
+    me = layout.dp_rank * layout.tp_size + layout.tp_rank          # this rank's index in the EP group
     if x.shape[0] != sum(traffic[me]):
         raise ValueError(f"all_to_all: rank {me} has {x.shape[0]} rows, but the traffic sends {traffic[me]}")
     comm = layout.ep_comm if layout.ep_comm is not None and layout.ep_comm.fits_all_to_all(x, traffic) else None

@@ -2,11 +2,11 @@
 CUDA or started OpenMP threads, and never re-running the caller's ``__main__``.
 
 On Linux, ranks come from multiprocessing's fork server: one clean process that has imported tplab and
-torch once and is forked for every rank. A rank starts in a few tens of milliseconds, where spawn costs
-each rank seconds of CPU to import torch again (docs/performance-journal.md). The server exits when the
-caller does, and its ranks with it (PR_SET_PDEATHSIG). A forked rank inherits the server's environment,
-so it is handed the caller's current one. Elsewhere (macOS, Windows), spawn. ``TPLAB_START_METHOD=spawn`` makes Linux spawn too, so
-the path macOS and Windows take runs (and is tested) here.
+torch once and is forked for every rank, so no rank imports torch again as a spawned one does
+(the difference in seconds: docs/performance-journal.md). The server exits when the caller does, and its
+ranks with it (PR_SET_PDEATHSIG). A forked rank inherits the server's environment, so it is handed the
+caller's current one. Elsewhere (macOS, Windows), spawn. ``TPLAB_START_METHOD=spawn`` makes Linux spawn too,
+so the path macOS and Windows take runs (and is tested) here.
 """
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -44,13 +44,11 @@ def rank_context():
 
 
 def _ensure_fork_server() -> None:
-    """Start the fork server (if it is not running) with OpenMP single-threaded. Importing tplab runs a few
-    oneDNN ops (``layers/linear.py`` checks that its kernels work), and a process that has run an OpenMP
-    parallel region cannot fork children that use more threads: libgomp's thread pool does not survive a
-    fork, and the child's first parallel op waits for it forever. Measured here: a rank given 2 threads hung
-    on ``torch.zeros(2048, 256).sum()``, so every TP 2 rank on a machine of 4 or more cores would have; on 2
-    cores TP 2 gives each rank 1 thread, which never needs the pool. With ``OMP_NUM_THREADS=1`` the server
-    never starts one; each rank then sets its own thread count (``rank_main``) and starts its own pool."""
+    """Start the fork server (if it is not running) with OpenMP single-threaded. A process that has run an
+    OpenMP parallel region cannot fork children that use more threads: libgomp's thread pool does not survive
+    a fork, and the child's first parallel op waits for it forever. With ``OMP_NUM_THREADS=1`` the server
+    never starts a pool, whatever its imports run; each rank then sets its own thread count (``rank_main``)
+    and starts its own."""
     with _start_lock:
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"        # only the server's: ranks get the caller's environment

@@ -1,7 +1,7 @@
 """All-reduce, all-gather, reduce-scatter and all-to-all through shared memory, for CPU ranks on one machine.
 
-gloo sends even a (1, hidden) tensor through TCP: about a millisecond per collective
-here, and a TP decode step needs two per layer. Ranks on one host can instead write
+gloo sends even a (1, hidden) tensor through TCP and the kernel's network stack, and a TP
+decode step needs two collectives per layer (the figures: docs/performance-journal.md). Ranks on one host can instead write
 their part into a shared buffer, wait until every rank has written, and read the
 others' parts: microseconds. vLLM's CPU backend does the same.
 
@@ -31,7 +31,7 @@ _HEADER = 4096
 
 class ShmComm:
     """Collectives over a shared-memory segment that every rank of ``group`` maps (the default group when
-    None; under pipeline parallelism, one stage's TP ranks). Ranks are numbered within the group."""
+    None; under pipeline or data parallelism, one TP group's ranks, or the experts' EP group). Ranks are numbered within the group."""
 
     def __init__(self, group=None, timeout: float = 300.0):
         self.group = group or dist.group.WORLD
@@ -60,8 +60,8 @@ class ShmComm:
         self._views: dict[tuple, list[torch.Tensor]] = {}
 
     def _slots(self, buffer: int, like: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's slot in ``buffer``, as tensors shaped like ``like``. Making a view costs several
-        microseconds, a tenth of a small collective here, so they are kept: a decode step's collectives have a
+        """Every rank's slot in ``buffer``, as tensors shaped like ``like``. Making a view costs a
+        noticeable share of a small collective, so they are kept: a decode step's collectives have a
         few shapes (prefill chunks add more; the cache is emptied past 256 of them). They are made outside
         inference mode, which a forward runs in: a view made inside it may not be written outside it."""
         key = (buffer, like.dtype, like.shape)

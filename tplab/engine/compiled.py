@@ -16,7 +16,6 @@ import types
 
 import torch
 import torch._dynamo
-import torch._inductor.config
 import torch.distributed as dist
 from torch import nn
 
@@ -168,10 +167,9 @@ class CompiledForward:
     nothing of the step (the graph runs only once built); where parts of a model break the graph, an
     earlier piece may have written this step's K/V, which the eager run writes again, the same values."""
 
-    def __init__(self, model: nn.Module, options: dict | None = None):
+    def __init__(self, model: nn.Module):
         self.model, self.eager = model, model.forward
         self.attentions, self.linears = _opaque(model)
-        self.options = options or {}
         self.compiled = torch.compile(self.eager, dynamic=True)   # built at the first forward
         self.failed = False
         self.num_compiled = 0              # forwards that ran compiled (llm.stats()["compiled_forwards"])
@@ -183,8 +181,7 @@ class CompiledForward:
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.attentions)} attention layers")
         _step.update(kv_caches=kv_caches, meta=meta, attentions=self.attentions, linears=self.linears)
         try:
-            with torch._inductor.config.patch(self.options):
-                hidden = self.compiled(input_ids, kv_caches, meta)
+            hidden = self.compiled(input_ids, kv_caches, meta)
             self.num_compiled += 1
             return hidden
         except Exception as e:
@@ -204,10 +201,9 @@ class CompiledForward:
         say_once(why)
 
 
-def compile_model(model: nn.Module, options: dict | None = None, eager_because: str | None = None) -> bool:
-    """Run ``model``'s forward through ``torch.compile`` from its next call, with inductor ``options``
-    (``torch._inductor.config`` names, patched around each forward); whether it will (False, with one line
-    on stderr, where this machine has no C++ compiler, or ``eager_because`` says why not)."""
+def compile_model(model: nn.Module, eager_because: str | None = None) -> bool:
+    """Run ``model``'s forward through ``torch.compile`` from its next call; whether it will (False, with one
+    line on stderr, where this machine has no C++ compiler, or ``eager_because`` says why not)."""
     if isinstance(vars(model).get("forward"), CompiledForward):
         return True
     problem = eager_because or compiler_problem()
@@ -215,5 +211,5 @@ def compile_model(model: nn.Module, options: dict | None = None, eager_because: 
         say_once(eager_because or f"no C++ compiler for inductor ({problem})")
         return False
     _collectives_as_ops()
-    model.forward = CompiledForward(model, options)
+    model.forward = CompiledForward(model)
     return True

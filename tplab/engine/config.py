@@ -87,8 +87,8 @@ def default_batched_tokens(device, hf_config) -> int:
     """Tokens per step when ``max_num_batched_tokens`` is not given: 4096 on a GPU (vLLM's default); on CPU
     512 for a dense model, 2048 for a mixture of experts. A dense step of 512 tokens keeps a layer's
     activations (512 x 9728 floats out of Qwen2.5-0.5B's gate_up_proj: 20 MB) in the last-level cache and in
-    memory the allocator reuses; at 4096 they are 160 MB of fresh pages per matmul, and prefill ran 10% slower
-    (bench/). An MoE step reads every expert its tokens chose, all of them from a few hundred tokens on, so a
+    memory the allocator reuses; at 4096 they are 160 MB of fresh pages per matmul, and prefill is slower
+    (docs/performance-journal.md). An MoE step reads every expert its tokens chose, all of them from a few hundred tokens on, so a
     prompt cut into chunks reads the experts' weights once a chunk: fewer, longer steps read them fewer times."""
     return 4096 if torch.device(device).type == "cuda" else 2048 if has_experts(hf_config) else 512
 
@@ -136,7 +136,7 @@ class EngineConfig:
     # paged KV cache and continuous batching
     block_size: int = 16               # tokens per KV block
     num_kv_blocks: int | None = None   # None: as many as kv_cache_memory allows (under PP: split by p)
-    kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: see engine.kv_cache_budget
+    kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: llm_engine.kv_cache_budget
     max_num_seqs: int = 16             # sequences in flight per step
     max_num_batched_tokens: int | None = None  # tokens per step (a longer prompt is prefilled in chunks);
                                         # None: default_batched_tokens(device, hf_config)

@@ -46,7 +46,7 @@ def check_world(tp: int, pp: int, world: int, dp: int = 1) -> None:
     if tp * pp * dp == world:
         return
     others = [f"{name}={size}" for name, size in (("pipeline_parallel_size", pp), ("data_parallel_size", dp))
-              if size > 1 or name[0] == "p"]
+              if size > 1 or name == "pipeline_parallel_size"]
     given = "".join(f" x {size}" for size in others)
     hint = f"pass sizes whose product is {world}"
     if pp * dp == 1:
@@ -58,7 +58,7 @@ def check_world(tp: int, pp: int, world: int, dp: int = 1) -> None:
 
 
 class LLM:
-    """A tensor-parallel Qwen2 engine over a local HF checkpoint folder.
+    """A tensor-parallel engine for Qwen2 and Qwen3 (and their MoE models) over an HF checkpoint: a folder or a hub id.
 
     ``LLM(model_dir, tensor_parallel_size=2, dtype="float32", seed=0, ...)``: the settings are the fields
     of ``EngineConfig`` (``tplab.engine.config``), resolved once into ``llm.config``; then
@@ -77,7 +77,7 @@ class LLM:
             self._worker = Worker(self.config)
         elif self.config.world_size == 1:               # one rank: this process
             self._worker = Worker(self.config)
-        else:               # t x p (or t x d) ranks: stage s (or DP rank s) holds world ranks s*t .. s*t+t-1
+        else:               # d x p x t ranks: world rank (dp_rank * p + stage) * t + tp_rank (distributed.layout)
             self._group = RankGroup(self.config.world_size, backend=self.config.backend, timeout=self.timeout)
         try:
             if self._group is not None:
@@ -249,8 +249,9 @@ class LLM:
             if total > limit:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens + max_tokens {p.max_tokens} = "
                                  f"{total} > max_position_embeddings {limit}: shorten the prompt or lower max_tokens")
-            if -(-total // block_size) > blocks:  # it could never run, even alone: refuse instead of hanging
-                raise ValueError(f"prompt {i} needs {-(-total // block_size)} KV blocks of {block_size} tokens for "
+            needed = -(-total // block_size)      # blocks, rounded up
+            if needed > blocks:                   # it could never run, even alone: refuse instead of hanging
+                raise ValueError(f"prompt {i} needs {needed} KV blocks of {block_size} tokens for "
                                  f"{len(ids)} prompt tokens + max_tokens {p.max_tokens}, but the cache has {blocks}{share}: "
                                  "raise num_kv_blocks / kv_cache_memory, or shorten the prompt or max_tokens")
 

@@ -24,7 +24,7 @@ from tplab.engine.progress import Progress
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
-from tplab.engine.static_decode import MAX_CONTEXT, graph_memory_bound as static_graph_memory
+from tplab.engine.static_decode import MAX_CONTEXT, graph_memory_bound
 from tplab.models.loader import LoadReport, checkpoint_names
 from tplab.models.pipeline import other_stages_names
 from tplab.layers.attention import kv_cache_shape
@@ -70,19 +70,19 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     return model.eval(), report
 
 
-def kv_cache_spec(cfg: EngineConfig, block_size: int | None = None, num_layers: int | None = None) -> KVCacheSpec:
+def kv_cache_spec(cfg: EngineConfig, num_layers: int | None = None) -> KVCacheSpec:
     """One rank's KV cache layout, from the config and the attention part's ``kv_cache_shape``, for
     ``num_layers`` layers (default: all; a pipeline stage: those it keeps a cache for)."""
     hf = cfg.hf_config
     heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
-    block_size = block_size or cfg.block_size
-    block_shape = kv_cache_shape(cfg.parts.attention, 1, block_size, heads, kv_heads, head_dim_of(hf))[1:]
-    return KVCacheSpec(num_layers or hf.num_hidden_layers, block_size, block_shape, cfg.dtype)
+    block_shape = kv_cache_shape(cfg.parts.attention, 1, cfg.block_size, heads, kv_heads, head_dim_of(hf))[1:]
+    return KVCacheSpec(num_layers or hf.num_hidden_layers, cfg.block_size, block_shape, cfg.dtype)
 
 
 def kv_cache_budget(device: torch.device, num_ranks: int) -> int:
-    """Default bytes for one rank's KV cache, as vLLM sizes it: 90% of the GPU memory left after the
-    weights; on CPU a tenth of the available RAM shared by the ranks, at most 4 GiB."""
+    """Default bytes for one rank's KV cache: on a GPU 90% of the memory still free after the weights (vLLM
+    instead takes ``gpu_memory_utilization`` of the total, less weights, activations and graphs); on CPU a
+    tenth of the available RAM shared by the ranks, at most 4 GiB."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)
@@ -98,7 +98,7 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
         return cfg.num_kv_blocks // pp
     budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.world_size)
     if cfg.cuda_graphs and cfg.kv_cache_memory is None:        # the graphs' pool comes out of the same memory
-        budget -= graph_memory_bound(cfg)
+        budget -= graph_memory_for(cfg)
     budget //= pp
     useful = cfg.max_num_seqs * -(-cfg.hf_config.max_position_embeddings // cfg.block_size)
     blocks = torch.tensor(min(budget // spec.bytes_per_block(), useful))
@@ -110,7 +110,7 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
     return int(blocks)
 
 
-def static_decode(cfg: EngineConfig, device: torch.device):
+def static_decode_builder(cfg: EngineConfig, device: torch.device):
     """``Parts.static_decode`` with the config's sizes, for ``ModelRunner`` to build over its KV cache (None
     where decode steps run eagerly at their own shapes)."""
     if not cfg.static_decode:
@@ -124,13 +124,13 @@ def static_max_blocks(cfg: EngineConfig) -> int:
     return -(-min(cfg.hf_config.max_position_embeddings, MAX_CONTEXT) // cfg.block_size)
 
 
-def graph_memory_bound(cfg: EngineConfig) -> int:
+def graph_memory_for(cfg: EngineConfig) -> int:
     """``static_decode.graph_memory_bound`` for this rank's shard of the model."""
     hf = cfg.hf_config
     heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
-    return static_graph_memory(cfg.max_num_seqs, static_max_blocks(cfg), cfg.block_size,
-                               hf.hidden_size, hf.intermediate_size // cfg.tensor_parallel_size, heads, kv_heads,
-                               head_dim_of(hf), cfg.dtype)
+    return graph_memory_bound(cfg.max_num_seqs, static_max_blocks(cfg), cfg.block_size,
+                              hf.hidden_size, hf.intermediate_size // cfg.tensor_parallel_size, heads, kv_heads,
+                              head_dim_of(hf), cfg.dtype)
 
 
 class LLMEngine:
@@ -156,10 +156,10 @@ class LLMEngine:
         spec = kv_cache_spec(cfg, num_layers=len(stage.kv_cache_layers))
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions, stage.kv_cache_layers, num_engines=pp,
-                                  static_decode=static_decode(cfg, self.device))
+                                  static_decode=static_decode_builder(cfg, self.device))
         # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
         self.schedulers = [self._scheduler() for _ in range(pp)]
-        self.scheduler, self.block_manager = self.schedulers[0], self.schedulers[0].block_manager
+        self.scheduler = self.schedulers[0]                                # the only one without PP
         # an MoE model's DP ranks step together: one with nothing to run joins the experts' exchanges
         self.lockstep = steps_in_lockstep(cfg.hf_config, cfg.data_parallel_size)
         self.stages = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype, self.lockstep) if pp > 1
@@ -231,12 +231,13 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """This rank's counters, summed over the schedulers (one per batch in flight under PP)."""
-        total = lambda attr, of: sum(getattr(of(s), attr) for s in self.schedulers)
-        bm = lambda s: s.block_manager
-        return {"num_preemptions": total("num_preemptions", lambda s: s),
-                "prefix_cache_hit_blocks": total("prefix_cache_hit_blocks", bm),
-                "peak_kv_blocks_used": total("peak_blocks_used", bm), "num_kv_blocks": total("num_blocks", bm),
-                "kv_blocks_in_use": total("num_used_blocks", bm), "block_size": self.cfg.block_size,
+        schedulers, managers = self.schedulers, [s.block_manager for s in self.schedulers]
+        total = lambda objs, attr: sum(getattr(o, attr) for o in objs)                  # noqa: E731
+        return {"num_preemptions": total(schedulers, "num_preemptions"),
+                "prefix_cache_hit_blocks": total(managers, "prefix_cache_hit_blocks"),
+                "peak_kv_blocks_used": total(managers, "peak_blocks_used"),
+                "num_kv_blocks": total(managers, "num_blocks"),
+                "kv_blocks_in_use": total(managers, "num_used_blocks"), "block_size": self.cfg.block_size,
                 "kv_cache_bytes": self.runner.kv_cache_bytes(), "num_steps": self.num_steps,
                 "static_decode_steps": 0 if self.runner.static is None else self.runner.static.num_steps,
                 "compiled_forwards": getattr(self.model.forward, "num_compiled", 0)}   # engine.compiled

@@ -2,10 +2,11 @@
 scheduled sequence its next tokens (a decode token, or a chunk of a prompt) and samples one token for
 each sequence that has no uncached token left.
 
-The KV cache holds, per layer, K and V of shape ``(num_blocks, block_size, H_kv, D)``: this rank's
-KV heads only (``H_kv = num_kv_heads / tp_size``, or one replica when they are fewer than the
-ranks), never their repeats for the query heads. GQA repeats K/V only inside the score
-computation, so the cache is ``H / H_kv`` times smaller than a cache of query heads.
+The KV cache holds, per layer, K and V in the layout the attention part declares (``kv_cache_shape``;
+tplab's own is ``(num_blocks, block_size, H_kv, D)``, and one scratch block more under ``static_decode``):
+this rank's KV heads only (``H_kv = num_kv_heads / tp_size``, or one replica when they are fewer than the
+ranks), never their repeats for the query heads. GQA repeats K/V only inside the score computation, so the
+cache is ``H / H_kv`` times smaller than a cache of query heads.
 """
 import math
 from dataclasses import dataclass
@@ -65,8 +66,8 @@ class ModelRunner:
 
     def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions=token_positions,
                  kv_layers=None, num_engines: int = 1, static_decode=None):
-        self.model, self.spec, self.device = model, spec, torch.device(device)
-        self.positions = positions                  # Parts.positions: a step's token positions
+        self.model, self.device = model, torch.device(device)
+        self.positions_of = positions               # Parts.positions: a sequence's token positions this step
         self.num_blocks = num_blocks                # the block manager's; a static decode adds a scratch block
         kv_layers = range(spec.num_layers) if kv_layers is None else kv_layers
         num_layers = max(spec.num_layers, max(kv_layers, default=-1) + 1)
@@ -90,13 +91,13 @@ class ModelRunner:
             return self.sample(seqs, list(range(len(seqs))), self.static.forward(seqs))               # (B, E)
         input_ids, meta = self.prepare(seqs)
         hidden = self.model(input_ids, self.kv_caches, meta)                                          # (T, E)
-        return self.sample(seqs, [end - 1 for end in meta.query_start_loc[1:]], hidden)
+        return self.sample(seqs, meta.last_token_rows(), hidden)
 
     def prepare(self, seqs: list[Sequence]):
         """A step's token ids ``(T,)`` and its attention metadata."""
         meta = self.metadata.build([s.num_new_tokens for s in seqs],
                                    [s.num_cached_tokens + s.num_new_tokens for s in seqs],
-                                   [s.block_table for s in seqs], [p for s in seqs for p in self.positions(s)],
+                                   [s.block_table for s in seqs], [p for s in seqs for p in self.positions_of(s)],
                                    [s.seq_id for s in seqs])
         input_ids = torch.tensor([t for s in seqs for t in s.new_token_ids()], device=self.device)   # (T,)
         return input_ids, meta

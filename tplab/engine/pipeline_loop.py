@@ -107,7 +107,7 @@ class PipelineLoop:
         out = self.runner.model.model.forward_stage(input_ids, received, self.runner.kv_caches_of[v], meta)
         sampled = None
         if stage.has_head:
-            sampled = self.runner.sample(seqs, [end - 1 for end in meta.query_start_loc[1:]], out)
+            sampled = self.runner.sample(seqs, meta.last_token_rows(), out)
         else:
             stage.send(*out)
         self.timeline.append(Tick(tick, stage.pp_rank, v, int(input_ids.shape[0]), start, busy, time.monotonic()))

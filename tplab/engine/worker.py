@@ -1,8 +1,8 @@
 """One rank's side of ``LLM``: the object that holds this rank's engine between the driver's calls.
 
-At TP > 1 every rank process keeps one ``Worker`` (``RankGroup.create``) and ``LLM`` calls its
-methods on all ranks at once (``RankGroup.call``), as vLLM's driver calls its workers. At TP 1
-and under torchrun ``LLM`` holds its ``Worker`` itself and calls the same methods directly. Under data
+With more than one rank (TP, PP or DP > 1) every rank process keeps one ``Worker`` (``RankGroup.create``)
+and ``LLM`` calls its methods on all ranks at once (``RankGroup.call``), as vLLM's driver calls its workers.
+With one rank, and under torchrun, ``LLM`` holds its ``Worker`` itself and calls the same methods directly. Under data
 parallelism every rank is sent every prompt and the driver's split, and serves its DP rank's share.
 """
 import torch.distributed as dist

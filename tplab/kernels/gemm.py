@@ -19,11 +19,11 @@ from torch import nn
 
 from tplab.layers.linear_method import LinearMethod
 
-# The row count oneDNN is told to pack a weight for. It picks the layout from it: here 4 and 16 give
-# the same blocked layout (AB16b64a), 1 gives the plain one (no faster at 16 rows).
+# The row count oneDNN is told to pack a weight for. It picks the layout from it: 1 gives the plain one,
+# a few rows a blocked one (which layout, measured: docs/performance-journal.md).
 PACK_FOR_ROWS = 4
 # Products of at most this many rows (a decode step of one or two sequences) are what MKL's matrix-vector
-# kernel wins, where ``few_rows_mkl``; from 4 rows up oneDNN's kernels are faster on every layer (bench/).
+# kernel wins, where ``few_rows_mkl``; from a few rows up oneDNN's kernels win (docs/performance-journal.md).
 FEW_ROWS = 2
 
 

@@ -18,7 +18,7 @@ class DecodeBlocks:
     block_seq: torch.Tensor       # (nb,) long: which decode sequence (0 .. Bd-1) each block belongs to
     num_blocks: torch.Tensor      # (Bd,) long: blocks per decode sequence
     context_lens: list[int]       # Bd ints: keys of each decode sequence (cached + its new one)
-    hidden: torch.Tensor          # (nb, 1, 1, bs) bool: slots past the end of their sequence
+    hidden: torch.Tensor          # (nb, bs) bool: slots past the end of their sequence
     padded_blocks: torch.Tensor   # (Bd, nb_max) long: each sequence's blocks, padded with its last (a GPU's decode)
     padded_hidden: torch.Tensor   # (Bd, nb_max * bs) bool: a slot past the end of its sequence, padding included
     per_step: dict = field(default_factory=dict, repr=False)  # what an attend makes of these once a step
@@ -48,7 +48,7 @@ def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: 
     lens = [context_lens[b] for b in seqs]
     return DecodeBlocks(seqs, tensor(token_index), tensor(blocks),
                         torch.repeat_interleave(torch.arange(len(seqs), device=device), tensor(counts)),
-                        tensor(counts), lens, hidden[:, None, None, :], tensor(padded),
+                        tensor(counts), lens, hidden, tensor(padded),
                         torch.arange(width * block_size, device=device) >= tensor(lens)[:, None])
 
 

@@ -44,6 +44,10 @@ class AttentionMetadata:
         """New tokens of each sequence (its Lq)."""
         return [b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])]
 
+    def last_token_rows(self) -> list[int]:
+        """The row of each sequence's last new token among the step's T: its next token is sampled from there."""
+        return [end - 1 for end in self.query_start_loc[1:]]
+
     def seq_kv_slots(self, b: int) -> torch.Tensor:
         """``(Lk,)`` the cache slots of sequence b's keys, position 0 first."""
         return self.kv_slots[self.kv_start_loc[b]:self.kv_start_loc[b + 1]]

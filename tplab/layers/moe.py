@@ -90,7 +90,8 @@ class FusedMoE(nn.Module, UsesProducts):
         self.ep_size = self.dp_size * self.tp_size if enable_expert_parallel else 1
         self.ep_rank = self.dp_rank * self.tp_size + self.tp_rank if enable_expert_parallel else 0
         if enable_expert_parallel:           # E / (d t) whole experts on each rank
-            self.num_local_experts = divide(num_experts, self.ep_size, "num_experts")
+            self.num_local_experts = divide(num_experts, self.ep_size, "num_experts",
+                                            by="the expert-parallel ranks (dp_size x tp_size)")
             self.intermediate_size_per_partition, self.expert_tp_rank = intermediate_size, 0
         else:                                # every expert, each split over the ranks
             self.num_local_experts = num_experts
@@ -132,12 +133,9 @@ class FusedMoE(nn.Module, UsesProducts):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(dtype), ids
 
-    def dispatch(self, ids: torch.Tensor):
+    def rows_by_expert(self, ids: torch.Tensor):
         """For each expert this rank holds that some token chose: ``(local index, rows, slots)``, the tokens
         that chose it ``(n_e,)`` and where in their top-k it is ``(n_e,)`` (an expert is in a row at most once)."""
-        if ids.is_cuda and torch.cuda.is_current_stream_capturing():   # say why, rather than fail in nonzero
-            raise RuntimeError("an MoE layer's dispatch picks each expert's tokens with nonzero (shapes that depend "
-                               "on the routing), which a CUDA graph cannot hold")
         chosen = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()   # pairs per expert
         for local, expert in enumerate(self.local_experts):
             if chosen[expert]:                                            # an expert no token chose is skipped
@@ -156,7 +154,7 @@ class FusedMoE(nn.Module, UsesProducts):
             out = self.forward_all_to_all(x, weights, ids)
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)   # summed in fp32, as HF sums the k
-            for local, rows, slots in self.dispatch(ids):
+            for local, rows, slots in self.rows_by_expert(ids):
                 y = self.expert_mlp(local, x.index_select(0, rows))         # (n_e, H)
                 out.index_add_(0, rows, (y * weights[rows, slots].unsqueeze(-1)).float())   # combine
         out = out.to(x.dtype)                                                # (T, H)

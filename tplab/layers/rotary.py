@@ -75,7 +75,6 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, base: float, apply_fn=apply_rotary):
         super().__init__()
-        self.head_dim = head_dim
         self.apply_fn = apply_fn
         device = str(torch.empty(0).device)   # the device being built on (see engine.build_model)
         cos, sin = _cos_sin_table(head_dim, max_position, float(base), device)

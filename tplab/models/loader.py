@@ -139,7 +139,8 @@ def expert_for(targets: dict, name: str) -> tuple[str, int, object] | None:
 def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()) -> LoadReport:
     """Fill ``model``'s parameters from the checkpoint in ``model_dir``, each through its ``weight_loader``.
 
-    ``skip`` names checkpoint tensors to ignore (a tied ``lm_head.weight`` that was saved anyway).
+    ``skip`` names checkpoint tensors to ignore: a tied ``lm_head.weight`` that was saved anyway, and under
+    pipeline parallelism the other stages' tensors.
     """
     params, experts = dict(model.named_parameters()), expert_targets(model)
     expected, seen, reads = expected_checkpoint_names(model), set(), []

@@ -86,14 +86,14 @@ class Qwen3MoeDecoderLayer(Qwen2MoeDecoderLayer):
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     """One rank's shard of a Qwen2-MoE model (``model_type`` ``qwen2_moe``). ``enable_expert_parallel``:
-    each rank holds ``num_experts / tp_size`` whole experts instead of every expert split by TP."""
+    each of the ranks (``dp_size x tp_size``) holds ``num_experts / (dp_size x tp_size)`` whole experts instead
+    of every expert split by TP."""
     decoder_layer = Qwen2MoeDecoderLayer
 
     def __init__(self, config, parts, tp_rank: int | None = None, tp_size: int | None = None,
                  sequence_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1,
                  enable_expert_parallel: bool = False):
         super().__init__(config, parts, tp_rank, tp_size, sequence_parallel, pp_rank, pp_size, enable_expert_parallel)
-        self.enable_expert_parallel = enable_expert_parallel
         self.expert_params_mapping = make_expert_params_mapping(config.num_experts)
 
     def dummy_forward(self) -> None:
@@ -112,7 +112,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         sparse = [is_moe_layer(config, i) for i in range(config.num_hidden_layers)]
         sizes = {} if all(sparse) else {"intermediate_size": config.intermediate_size}
         if any(sparse):
-            if enable_expert_parallel:                             # whole experts: E / t on each rank
+            if enable_expert_parallel:                             # whole experts: E / (d t) on each rank
                 sizes["num_experts"] = config.num_experts
             else:                                                  # every expert split by TP
                 sizes["moe_intermediate_size"] = config.moe_intermediate_size
