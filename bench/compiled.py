@@ -9,7 +9,6 @@ The two engines are built eager first; ``TPLAB_BENCH_REVERSE_BUILD=1`` builds th
 Xeon VM of docs/performance.md the engine built second decoded 5-14% faster, either engine: run both orders
 (bench/README.md, "Build order").
 """
-import json
 import os
 import subprocess
 import sys
@@ -73,7 +72,7 @@ def measure(eager, compiled, s: Settings) -> dict:
             fns[f"{name}_{what}"] = go
     times = interleaved(fns, reps=s.reps, warmup=1)
     del bws[:-s.reps]                                    # the warm-up's
-    log(f"[compiled] times (s): " + ", ".join(f"{k}={[round(t, 3) for t in v]}" for k, v in times.items()))
+    log("[compiled] times (s): " + ", ".join(f"{k}={[round(t, 3) for t in v]}" for k, v in times.items()))
     rate = {w: {"decode": [(n - 1) / (f - o) for f, o in zip(times[f"{w}_full"], times[f"{w}_one"])],
                 "batch": [len(batch) * s.batch_new_tokens / t for t in times[f"{w}_batch"]],
                 "prefill": [len(long) / t for t in times[f"{w}_prefill"]]} for w in ("eager", "compiled")}

@@ -86,7 +86,6 @@ def test_this_machine_passes_the_two_rank_check():
 
 
 def test_float32_gemm_paths_here_are_float32_and_a_bf16_path_is_named():
-    import torch
     import torch.nn.functional as F
     here = doctor.check_float32_gemm()
     assert here.status == "ok", here.detail

@@ -65,3 +65,22 @@ def test_slot_mapping_accepts_a_tensor_answer():
         p = torch.tensor(positions)
         return torch.tensor(block_table)[p // block_size] * block_size + p % block_size
     assert nb05.check_slot_mapping(as_tensor).ok is True
+
+
+def test_slot_mapping_refuses_float_slots_and_names_floor_division():
+    result = nb05.check_slot_mapping(lambda bt, ps, bs: [bt[p // bs] * bs + p % bs + 0.9 for p in ps])
+    assert result.ok is False and "slots are integer indices" in result.message, result.message
+    assert "use // (floor division), not /" in result.message
+
+
+def test_slot_mapping_says_what_to_return_for_a_string():
+    result = nb05.check_slot_mapping(lambda bt, ps, bs: "0, 1, 2")
+    assert result.ok is False and "raised" not in result.message, result.message
+    assert "returned str: return one slot per position: a list of ints or a 1-D integer tensor" in result.message
+
+
+def test_vocab_shard_range_says_what_to_return_for_an_int_or_floats():
+    result = nb06.check_vocab_shard_range(lambda v, r, tp: v // tp)
+    assert result.ok is False and "returned int 2048: return (start, end), two ints" in result.message, result.message
+    result = nb06.check_vocab_shard_range(lambda v, r, tp: (r * v / tp, min((r + 1) * -(-v // tp), v)))
+    assert result.ok is False and "use // (floor division), not /" in result.message, result.message

@@ -58,3 +58,9 @@ def test_check_apply_rope_names_a_float64_result():
     result = nb03.check_apply_rope(lambda x, cos, sin: apply_rotary(x, x, cos, sin)[0].double())
     assert result.ok is False and "returned torch.float64, but x, cos and sin are torch.float32" in result.message, \
         result.message
+
+
+def test_check_apply_rope_asks_for_a_tensor_when_given_a_list():
+    result = nb03.check_apply_rope(lambda x, cos, sin: apply_rotary(x, x, cos, sin)[0].tolist())
+    assert result.ok is False and "returned list, expected a torch.Tensor (T, H, D)" in result.message, result.message
+    assert "broadcast" not in result.message                  # a list is not a layout mistake

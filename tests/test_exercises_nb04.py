@@ -42,3 +42,18 @@ def test_check_repeat_kv_rejects_repeating_the_wrong_dimension():
 def test_check_repeat_kv_names_a_float64_result():
     result = nb04.check_repeat_kv(lambda k, n: k.double().repeat_interleave(n, 1))
     assert result.ok is False and "returned torch.float64, but k is torch.float32" in result.message, result.message
+
+
+def test_check_repeat_kv_names_tokens_mixed_into_heads_without_contradicting_itself():
+    def mixed(k, n):                                          # right head order, but tokens spread over heads
+        return k.repeat_interleave(n, dim=2).reshape(k.shape[0], -1, k.shape[2], k.shape[3])
+    result = nb04.check_repeat_kv(mixed)
+    assert result.ok is False and "expected [0, 0, 1, 1]" not in result.message, result.message
+    assert "at [b, h, t, d] = [0, 0, 1, 0]" in result.message and "which is k[0, 0, 0, 0]" in result.message
+    assert "values moved to another token" in result.message
+
+
+def test_check_repeat_kv_names_changed_values():
+    result = nb04.check_repeat_kv(lambda k, n: k.repeat_interleave(n, dim=1) * 1.5)
+    assert result.ok is False and "a value k does not hold" in result.message, result.message
+    assert "KV head h // n_rep = 0" in result.message

@@ -2,6 +2,7 @@
 experts' exchange (``check_part("moe_dispatch" | "moe_combine")``) alone in watched ranks, then at DP 2 in the
 engine against HF. The reference solutions pass; each usual mistake is named for what it is, in seconds, a
 dispatch that never sends (a hang in the engine) included; a stub is not attempted."""
+import re
 import sys
 import time
 
@@ -72,6 +73,32 @@ def not_cast(logits, k, renormalize):
 def test_each_router_mistake_is_named(fn, words):
     result = nb08.check_select_experts(fn)
     assert result.ok is False and words in result.message, result.message
+
+
+def swapped(logits, k, renormalize):
+    weights, ids = select_experts(logits, k, renormalize)
+    return ids, weights
+
+
+def one_weight_per_token(logits, k, renormalize):
+    weights, ids = select_experts(logits, k, renormalize)
+    return weights[:, 0], ids
+
+
+def least_likely(logits, k, renormalize):
+    w, i = torch.softmax(logits, -1, dtype=torch.float32).topk(k, -1, largest=False)
+    return (w / w.sum(-1, keepdim=True) if renormalize else w).to(logits.dtype), i
+
+
+@pytest.mark.parametrize("fn,words", [
+    (swapped, "you returned (ids, weights) (torch.int64, torch.float32); return (weights, ids)"),
+    (one_weight_per_token, r"weights \(\d+,\) and ids \(\d+, \d+\): each must be \(T, k\)"),
+    (least_likely, r"ids are not the k most likely experts of each token: token \d+ has experts \[\d+, \d+\], "
+                   r"HF's top \d+ are \[\d+, \d+\]")])
+def test_a_router_answer_of_the_wrong_form_is_named_not_raised(fn, words):
+    result = nb08.check_select_experts(fn)
+    assert result.ok is False and "raised" not in result.message, result.message
+    assert re.search(words if fn is not swapped else re.escape(words), result.message), result.message
 
 
 @pytest.mark.parametrize("name,impl", [("moe_dispatch", dispatch), ("moe_combine", combine)])

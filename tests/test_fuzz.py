@@ -3,7 +3,6 @@ refused with the clear error. Never wrong numbers."""
 import tempfile
 
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

@@ -4,7 +4,6 @@ DP 2 x TP 2 x EP, with chunked prefill, prefix-cache hits and preemption on ever
 shared memory and over gloo, and composed with pipeline parallelism (DP 2 x PP 2, x TP 2); the answers come back in prompt order; a DP rank with no prompt joins every
 exchange and nothing hangs; a dense model's DP ranks are replicas; the sizes are checked before any rank starts."""
 import pytest
-import torch
 
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, models

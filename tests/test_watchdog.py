@@ -3,6 +3,7 @@ message naming its function and line, and a correct call right after it works (t
 import re
 import sys
 import time
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -191,3 +192,29 @@ def test_in_a_notebook_kernel_the_cells_line_is_named_and_the_kernel_goes_on(mon
     assert re.search("world size 2: rank [01] " + stopped_in("ring_all_reduce", "while dist.get_rank() < 2:",
                                                              "x = x * 1"), out[4]), out
     assert out[5] == "True\n", out
+
+
+def frame_of_code_saved_at(path) -> object:
+    """A frame of a function whose code says it was read from ``path``."""
+    namespace = {"sys": sys}
+    exec(compile("def here():\n    return sys._getframe()\n", str(path), "exec"), namespace)
+    return namespace["here"]()
+
+
+def test_code_saved_beside_the_notebooks_is_the_learners_and_tplabs_own_is_not():
+    """``your_parts()`` loads the exercise cells saved under notebooks/your_code/: a loop there is the learner's
+    to be named, though it lives in the repository; tplab's own files never are."""
+    package = Path(watchdog.__file__).resolve().parent.parent                   # tplab/
+    assert watchdog._yours(frame_of_code_saved_at(package.parent / "notebooks" / "your_code" / "attention.py"))
+    assert not watchdog._yours(frame_of_code_saved_at(package / "engine" / "model_runner.py"))
+
+
+def test_a_loop_left_at_a_saved_cells_top_level_is_stopped_when_your_parts_reads_it(short_bound, tmp_path,
+                                                                                    monkeypatch):
+    from tplab.exercises import cells
+    monkeypatch.setattr(cells, "YOUR_CODE", tmp_path)
+    (tmp_path / "attention.py").write_text("# Exercise: attention\nsteps = 0\nwhile True:\n    steps += 1\n")
+    with pytest.raises(RuntimeError, match=r"your code for exercise attention .* did not return within 3 s, "
+                                           r"stopped in <module> \(line \d\)"):
+        cells.your_code("attention")
+    assert watchdog.call_bounded(1.0, sum, [1, 2]) == 3        # the process goes on

@@ -4,7 +4,6 @@ Shape legend: H / H_kv query / KV heads on this rank, Lq / Lk new queries / keys
 T new tokens in the step, D head_dim. ``Parts.attend`` is called once per sequence (see
 ``tplab.layers.attention.plain_attend``).
 """
-import torch
 import torch.nn.functional as F
 
 from tplab.kernels.attend import sdpa_attend

@@ -35,7 +35,7 @@ class GlobalIdsMoE(FusedMoE):
     the tokens of its own experts are not run at all. The first MoE block differs from HF by the size of its
     output, at TP 2 with ``enable_expert_parallel=True`` only."""
 
-    def dispatch(self, ids: torch.Tensor):
+    def rows_by_expert(self, ids: torch.Tensor):
         for local, _ in enumerate(self.local_experts):
             rows, slots = (ids == local).nonzero(as_tuple=True)     # the local index, compared with global ids
             if rows.numel():

@@ -47,8 +47,9 @@ def rope_cos_sin_axis_apply(q, k, cos, sin):
     - ``T == 1`` (a decode step of one sequence): one cos row fits every head. Right, by luck.
     - ``T == H == H_kv`` (e.g. a 4-token prompt at TP 2 on 8 query and 8 KV heads): it broadcasts, and head
       h of every token is rotated by token h's angle. Silently wrong.
-    - any other ``T != H``: a RuntimeError in the multiply, and with ``H_kv == 1`` (one KV head per rank)
-      k grows to ``(T, T, D)`` and the KV-cache write raises instead.
+    - ``T == H != H_kv``: q is rotated as above, and k's multiply raises, except with ``H_kv == 1`` (one KV
+      head per rank), where k grows to ``(T, T, D)`` and the KV-cache write raises instead.
+    - any other ``T != H``: a RuntimeError in q's multiply.
     """
     def rotate(x):                                                  # (T, heads, D) * (T, D): tokens vs heads
         return x * cos + rotate_half(x) * sin

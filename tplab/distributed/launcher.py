@@ -10,7 +10,6 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import time
 import weakref
 from multiprocessing.connection import wait

@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 from tplab.exercises import solutions
+from tplab.exercises.watchdog import DidNotReturn, bounded
 
 EXERCISE = re.compile(r"#\s*Exercise:\s*(\w+)")
 YOUR_CODE = Path("your_code")          # relative to the kernel's working directory: the notebook's folder
@@ -67,7 +68,10 @@ def your_code(name: str) -> dict | None:
         return None
     module = types.ModuleType(f"your_{name}")                       # not in sys.modules: pickled by value
     try:
-        exec(compile(path.read_text(), str(path.resolve()), "exec"), module.__dict__)
+        with bounded():                  # a loop left at the cell's top level must not freeze the notebook
+            exec(compile(path.read_text(), str(path.resolve()), "exec"), module.__dict__)
+    except DidNotReturn as e:
+        raise RuntimeError(f"your code for exercise {name} ({path}, the last run of its cell) {e}") from None
     except Exception as e:
         raise RuntimeError(f"your code for exercise {name} ({path}, the last run of its cell) raises "
                            f"{type(e).__name__}: {e}") from e

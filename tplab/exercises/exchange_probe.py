@@ -22,7 +22,7 @@ from tplab.engine.config import EngineConfig
 from tplab.engine.data_parallel import in_prompt_order
 from tplab.engine.sampling import SamplingParams
 from tplab.exercises import ExerciseResult
-from tplab.exercises.exchange_watch import CASES, E, TOP_K, WORLD, expert_outputs, inputs, run
+from tplab.exercises.exchange_watch import CASES, E, TOP_K, WORLD, inputs, run
 from tplab.exercises.in_engine import NEW_TOKENS, checked, kept_ranks
 from tplab.exercises.watchdog import bound_for, call_bounded
 

@@ -1,7 +1,8 @@
 """What a step's collectives cost on the links of notebook 00: ``α + n / β`` per call, with each link's published
 figures (one direction), and the bytes a collective sends on the link from one rank: in a ring of ``t`` ranks for
 the TP collectives (``dist_watch.sent``, as notebook 07 counts them), and for an all-to-all the bytes of its rows for
-other ranks (the rows a rank keeps for itself never leave it). Notebooks 07 and 08 price counted runs with these."""
+other ranks (the rows a rank keeps for itself never leave it). Notebook 08 prices counted runs with these;
+notebook 07 writes the same figures and the same ring formula out in its own cells, where it teaches them."""
 from tplab.exercises.dist_watch import sent
 
 # (β bytes per second in one direction, α seconds per call), as notebook 00 prices them: NVLink 4 (half its published

@@ -3,7 +3,7 @@
 ``causal_mask(q_len, k_len)`` -> ``(q_len, k_len)`` bool, True where query i may see key j.
 The queries are the *last* ``q_len`` of ``k_len`` positions (a decode step, or a prefill
 after a cached prefix), so query i sits at position ``k_len - q_len + i`` and sees keys
-``j <= k_len - q_len + i``. Checked against ``tplab.layers.attention.causal_visible``.
+``j <= k_len - q_len + i``. Checked against ``tplab.layers.metadata.causal_visible``.
 """
 import torch
 

@@ -58,7 +58,7 @@ def _known_mistakes(x, cos, sin):
 
 
 def _run_case(fn, T, H, D, gen):
-    """(status, detail) for one shape: 'ok', 'raised', 'shape', 'dtype' or 'silent' (ran, wrong numbers)."""
+    """(status, detail) for one shape: 'ok', 'raised', 'type', 'shape', 'dtype' or 'silent' (ran, wrong numbers)."""
     x = torch.randn(T, H, D, generator=gen)
     positions = torch.randint(0, 200, (T,), generator=gen)
     cos, sin = rope_table(positions, D)
@@ -71,9 +71,10 @@ def _run_case(fn, T, H, D, gen):
         return "raised", f"{type(e).__name__}: {str(e).splitlines()[0]}"
     if mine is None:
         return None, FORGOT_RETURN
-    if not isinstance(mine, torch.Tensor) or tuple(mine.shape) != (T, H, D):
-        shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
-        return "shape", f"returned {shape}, expected {(T, H, D)}: cos/sin broadcast to the wrong shape"
+    if not isinstance(mine, torch.Tensor):
+        return "type", f"returned {type(mine).__name__}, expected a torch.Tensor (T, H, D) = {(T, H, D)}"
+    if tuple(mine.shape) != (T, H, D):
+        return "shape", f"returned {tuple(mine.shape)}, expected {(T, H, D)}: cos/sin broadcast to the wrong shape"
     if mine.dtype != x.dtype:
         return "dtype", (f"returned {mine.dtype}, but x, cos and sin are {x.dtype}, the dtype the engine runs "
                          "attention in: keep x's dtype (no .double(), no float64 tables)")

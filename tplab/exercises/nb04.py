@@ -32,6 +32,19 @@ def _heads(x: torch.Tensor) -> list[int]:
     return x[0, :, 0, 0].floor().int().tolist()
 
 
+def _first_difference(mine: torch.Tensor, k: torch.Tensor, n_rep: int) -> str:
+    """The heads come from the right KV heads, but some values differ: the first such [b, h, t, d] in words."""
+    b, h, t, d = (mine != hf_repeat_kv(k, n_rep)).nonzero()[0].tolist()
+    got, want = float(mine[b, h, t, d]), float(k[b, h // n_rep, t, d])
+    source = (k == got).nonzero()
+    came = (f"which is k{source[0].tolist()}: values moved to another token or head_dim position (a copy of a KV "
+            "head keeps its (T, D) layout)" if len(source) else
+            "a value k does not hold: repeat_kv only copies, it changes no value")
+    return (f"each output head starts from the right KV head {_heads(mine)}, but at [b, h, t, d] = {[b, h, t, d]} "
+            f"you hold {got:.4g}, {came}; query head {h} reads KV head h // n_rep = {h // n_rep}, which holds "
+            f"k[{b}, {h // n_rep}, {t}, {d}] = {want:.4g} there")
+
+
 def _compare(fn):
     for b, h_kv, t, d, n_rep in CASES:
         k = checker_kv(b, h_kv, t, d)
@@ -52,7 +65,9 @@ def _compare(fn):
                 return False, (f"{where}: heads come out as KV heads {_heads(mine)}: that is `repeat`, which tiles "
                                f"the whole set; query head h reads KV head h // n_rep, so the order must be "
                                f"{_heads(ref)} (`repeat_interleave`, or expand + reshape)")
-            return False, f"{where}: heads come from KV heads {_heads(mine)}, expected {_heads(ref)}"
+            if _heads(mine) != _heads(ref):
+                return False, f"{where}: heads come from KV heads {_heads(mine)}, expected {_heads(ref)}"
+            return False, f"{where}: {_first_difference(mine, k, n_rep)}"
     return True, f"equal to HF's repeat_kv on {len(CASES)} shapes (GQA, MQA, n_rep 1)"
 
 

@@ -1,7 +1,7 @@
 """Exercises of notebook 05 (paged attention): where each token's K/V live in the paged cache.
 
 ``check_slot_mapping(fn)`` compares the learner's ``fn(block_table, positions, block_size)``
-with the ``slot_mapping`` that ``tplab.layers.attention.build_metadata`` computes for the
+with the ``slot_mapping`` that ``tplab.layers.metadata.build_metadata`` computes for the
 engine, on fixed sequences: a prefill, a decode step, a prompt after a prefix-cache hit,
 block tables in any order.
 """
@@ -54,13 +54,30 @@ def _why(block_table, positions, block_size, got: list[int]) -> str:
     return ""
 
 
+def _as_slots(got) -> tuple[torch.Tensor | None, str]:
+    """``got`` as a flat long tensor, or (None, what to return instead): a list or tensor of integers."""
+    what = "return one slot per position: a list of ints or a 1-D integer tensor"
+    if isinstance(got, (str, bytes, dict, set)) or not hasattr(got, "__len__"):
+        return None, f"returned {type(got).__name__}: {what}"
+    try:
+        slots = torch.as_tensor(got)
+    except (TypeError, ValueError, RuntimeError):
+        return None, f"returned a {type(got).__name__} that is not a list of numbers: {what}"
+    if slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
+        how = ": use // (floor division), not /" if slots.is_floating_point() else ""
+        return None, f"slots are integer indices; you returned {slots.dtype}{how}"
+    return slots.long().flatten().cpu(), ""                           # any integer dtype is fine: slots
+
+
 def _compare(fn):
     for block_table, first, context, block_size in CASES:
         positions = list(range(first, context))
         got = fn(list(block_table), list(positions), block_size)
         if got is None:
             return False, FORGOT_RETURN
-        got = torch.as_tensor(got).long().flatten()                   # any integer dtype is fine: slots
+        got, what = _as_slots(got)
+        if got is None:
+            return False, f"block_table {block_table}, positions {positions}, block_size {block_size}: {what}"
         ref = _reference(block_table, positions, block_size)
         if got.shape != ref.shape or not torch.equal(got, ref):
             return False, (f"block_table {block_table}, positions {positions}, block_size {block_size}: "

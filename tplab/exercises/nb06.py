@@ -5,6 +5,10 @@
 rank: the vocab is padded up to a multiple of ``tp``, every rank holds the same number of
 rows, and the last rank may hold fewer real ones.
 """
+import operator
+
+import torch
+
 from tplab.exercises import FORGOT_RETURN, ExerciseResult, run_checker
 from tplab.layers.embed_head import VocabParallelEmbedding
 
@@ -37,7 +41,7 @@ MISTAKES = [  # (what the usual mistake computes, what it means)
 def _why(fn, vocab_size: int, tp: int) -> str:
     """The usual mistake ``fn`` makes on every rank of this (vocab_size, tp), in words; "" if none fits."""
     try:
-        got = [tuple(int(x) for x in fn(vocab_size, r, tp)) for r in range(tp)]
+        got = [_rows(fn(vocab_size, r, tp)) for r in range(tp)]
     except Exception:          # e.g. None on another rank: the counterexample alone says enough
         return ""
     for mistake, why in MISTAKES:
@@ -46,14 +50,35 @@ def _why(fn, vocab_size: int, tp: int) -> str:
     return ""
 
 
+def _rows(got) -> tuple[int, int] | None:
+    """``got`` as (start, end) if it is two integers (ints, or integer 0-d tensors), else None."""
+    if isinstance(got, (str, bytes, dict, set)) or not hasattr(got, "__len__"):
+        return None
+    try:
+        return tuple(operator.index(x) for x in got) if len(got) == 2 else None
+    except TypeError:          # a float (from /), a string, a tensor of several numbers, a 0-d tensor
+        return None
+
+
+def _not_rows(got) -> str:
+    """What is wrong with ``got``, which is not two ints."""
+    shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+    if any(isinstance(x, float) or (isinstance(x, torch.Tensor) and x.is_floating_point())
+           for x in (got if isinstance(got, (list, tuple)) else ())):
+        return f"returned {shown}: start and end are row indices, two ints: use // (floor division), not /"
+    return f"returned {type(got).__name__} {shown}: return (start, end), two ints"
+
+
 def _compare(fn):
     n = 0
     for vocab_size, tp in CASES:
         for rank in range(tp):
-            got = fn(vocab_size, rank, tp)
-            if got is None:
+            returned = fn(vocab_size, rank, tp)
+            if returned is None:
                 return False, FORGOT_RETURN
-            got, ref = tuple(int(x) for x in got), _reference(vocab_size, rank, tp)
+            got, ref = _rows(returned), _reference(vocab_size, rank, tp)
+            if got is None:
+                return False, f"vocab_size {vocab_size}, tp {tp}, rank {rank}: {_not_rows(returned)}"
             if got != ref:
                 return False, (f"vocab_size {vocab_size}, tp {tp}, rank {rank}: got {got}, "
                                f"VocabParallelEmbedding holds rows {ref}{_why(fn, vocab_size, tp)}")

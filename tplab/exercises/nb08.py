@@ -113,9 +113,14 @@ def _compare(fn):
 def _problem(got, logits, hf_w, hf_ids, top_k: int, renormalize: bool) -> str | None:
     if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(g, torch.Tensor) for g in got)):
         return "return two tensors: (weights, ids), each (T, k)"
+    wrong = _form(*got, hf_ids)
+    if wrong:
+        return wrong
     (w, ids), (ref_w, ref_ids) = _by_id(*got), _by_id(hf_w, hf_ids)
-    if w.shape != ref_w.shape or not torch.equal(ids, ref_ids):
-        return f"ids {tuple(ids.shape)} are not the k most likely experts of each token (HF's: {tuple(ref_ids.shape)})"
+    if not torch.equal(ids, ref_ids):
+        t = int((ids != ref_ids).any(-1).nonzero()[0])
+        return (f"ids are not the k most likely experts of each token: token {t} has experts {ids[t].tolist()}, "
+                f"HF's top {top_k} are {ref_ids[t].tolist()} (topk of the softmax over all E experts)")
     if w.dtype != ref_w.dtype:
         return (f"weights in {w.dtype}, but the logits are {logits.dtype}: take the softmax in fp32, then cast the "
                 "weights back to the logits' dtype (.to(router_logits.dtype)), as HF does")
@@ -127,6 +132,21 @@ def _problem(got, logits, hf_w, hf_ids, top_k: int, renormalize: bool) -> str | 
         why = ("not HF's to the bit in bf16: take the softmax in fp32 (dtype=torch.float32), renormalise in fp32, "
                "and only then cast the weights to bf16")
     return why or f"weights {w[0].tolist()} for the first token, HF's {ref_w[0].tolist()}"
+
+
+def _form(w, ids, hf_ids) -> str:
+    """What is wrong with the shapes or dtypes of (weights, ids), or ""."""
+    want = tuple(hf_ids.shape)
+    if not w.is_floating_point() and ids.is_floating_point():
+        return f"you returned (ids, weights) ({w.dtype}, {ids.dtype}); return (weights, ids)"
+    if tuple(w.shape) != want or tuple(ids.shape) != want:
+        return (f"weights {tuple(w.shape)} and ids {tuple(ids.shape)}: each must be (T, k) = {want}, "
+                "one row of k per token")
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        return f"ids are {ids.dtype}: return the experts' indices as an integer tensor (topk's indices)"
+    if not w.is_floating_point():
+        return f"weights are {w.dtype}: return the routing weights, floats in the logits' dtype"
+    return ""
 
 
 def check_select_experts(fn):

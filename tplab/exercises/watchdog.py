@@ -25,8 +25,8 @@ import sys
 import sysconfig
 import threading
 
-# A correct part or exercise function returns within a second or two, even on a loaded 2-core machine (the
-# figures: docs/performance-journal.md). 30 s is far above that, and under the ranks' timeouts (nb00's 60 s,
+# A correct part or exercise function returns within seconds (the figures: docs/performance-journal.md).
+# 30 s is far above that, and under the ranks' timeouts (nb00's 60 s,
 # check_part's 90 s): see bound_for.
 def _bound_from_environment(default: float = 30.0) -> float:
     text = os.environ.get("TPLAB_RETURN_BOUND_S", "")
@@ -42,7 +42,7 @@ def _bound_from_environment(default: float = 30.0) -> float:
 
 BOUND_S = _bound_from_environment()
 _RETRY_S = 1.0           # a bare `except:` in the loop swallowed it: raise it again, this often
-_NOT_YOURS = tuple({os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+_NOT_YOURS = tuple({os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,      # tplab/
                     *(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
 _WAITING = (os.sep + os.path.join("torch", "distributed") + os.sep,
             os.sep + os.path.join("tplab", "distributed") + os.sep)
@@ -87,7 +87,7 @@ def where(frame) -> str:
 
 def _message(bound: float, place: str) -> str:
     return (f"did not return within {bound:g} s, stopped in {place}. An endless loop? (a correct one returns "
-            f"in well under a second; the bound is {bound:g} s, TPLAB_RETURN_BOUND_S sets it)")
+            f"within a couple of seconds; the bound is {bound:g} s, TPLAB_RETURN_BOUND_S sets it)")
 
 
 def _raise_in(thread_id: int, exc_type) -> None:
