@@ -7,7 +7,7 @@ import cloudpickle
 import pytest
 import torch
 
-from tplab import LLM, SamplingParams
+from tplab import LLM, SamplingParams, golden
 from tplab.distributed.parallel_state import all_gather, all_reduce
 from tplab.exercises import check_part
 from tplab.exercises.parts import reference
@@ -243,3 +243,30 @@ def test_parameters_that_require_grad_are_accepted():
     assert all(p.requires_grad for p in TrainableRow(12, 8, bias=True, tp_rank=0, tp_size=1).parameters())
     result = check_part("row_linear", TrainableRow)
     assert result.ok is True, result.message
+
+
+def test_the_engine_verdicts_judge_each_sublayer_by_its_bound_and_name_nan_and_shapes():
+    """check_part's and the pipeline stage's comparisons with HF: tplab.tolerance's bound, relative to each
+    activation's size; a NaN or another shape is named as such, not as a difference of inf."""
+    from tplab.exercises import parts, pipeline_probe
+    ref = reference()
+
+    def verdicts(name, change):
+        acts = {n: a.clone() for n, a in ref["acts"].items()}
+        acts[name] = change(acts[name])
+        stage = {n: a for n, a in acts.items() if n != "logits"}          # a pipeline has no logits
+        return (parts._verdict("row_linear", {"row_linear": Row}, 2, [acts], [ref["acts"], acts], ref["tokens"],
+                               ref["tokens"], {}).message,
+                pipeline_probe._verdict(None, 1, [stage, None], ref["tokens"]).message)
+
+    bound, shape = golden.bound(ref["acts"]["model.layers.0.mlp"]), tuple(ref["acts"]["model.layers.0.mlp"].shape)
+    for message in verdicts("model.layers.0.mlp", lambda a: a + 0.5 * bound):
+        assert "every sublayer is within its bound of HF (tplab.tolerance" in message, message
+        assert "at most 5e-01 of the bound" in message, message
+    for change, words in [(lambda a: a + 3 * bound, "from HF's, 3 times its bound"),
+                          (lambda a: a.index_fill(0, torch.tensor([1]), float("nan")), "it holds NaN or inf"),
+                          (lambda a: a[:, :-1], f"it has shape {(shape[0], shape[1] - 1)}, HF's {shape}")]:
+        for message in verdicts("model.layers.0.mlp", change):
+            assert "model.layers.0.mlp is the first sublayer that differs from HF" in message and words in message, \
+                message
+            assert "by inf" not in message

@@ -69,7 +69,25 @@ class Float64(MyAttention):
         return super().forward(q, k, v, kv_cache, meta).double()
 
 
+class VNotStored(MyAttention):
+    """Stores V in a copy of the cache: right in the prefill, the cached values are missing at decode."""
+    def forward(self, q, k, v, kv_cache, meta):
+        return super().forward(q, k, v, (kv_cache[0], kv_cache[1].clone()), meta)
+
+
+class ReturnsTheCache(MyAttention):
+    def forward(self, q, k, v, kv_cache, meta):
+        return super().forward(q, k, v, kv_cache, meta), kv_cache
+
+
+class ReshapedWrong(MyAttention):
+    """A shape error of the learner's own, not the cache write's."""
+    def forward(self, q, k, v, kv_cache, meta):
+        return super().forward(q, k, v, kv_cache, meta).view(-1, 3)
+
+
 @pytest.mark.parametrize("impl, words", [
+    (VNotStored, "the V cache does not hold sequence 0's values at the slots of its blocks [2, 0]"),
     (IgnoresTheCache, "decode: attends only to this step's new keys, not to the cached ones"),
     (Float64, "returned torch.float64, but the engine runs attention in torch.float32"),
     (RepeatedInCache, "store the KV heads, repeat only for the scores"),
@@ -78,3 +96,12 @@ class Float64(MyAttention):
 def test_attention_mistakes_are_named(impl, words):
     result = check_part("attention", impl)
     assert result.ok is False and words in result.message, result.message
+
+
+@pytest.mark.parametrize("impl, words", [
+    (ReturnsTheCache, "forward returned a tuple, not a tensor: return only the (T, H * D) output; the cache is "
+                      "written in place"),
+    (ReshapedWrong, "shape '[-1, 3]' is invalid for input of size")])
+def test_an_error_not_from_the_cache_write_gets_no_hint_about_the_cache(impl, words):
+    result = check_part("attention", impl)
+    assert result.ok is False and words in result.message and "repeated K/V" not in result.message, result.message

@@ -121,6 +121,11 @@ class NormAfterGather(Region):
         return norm(all_gather(x, self.tp_size, dim=0)[:self.num_tokens])
 
 
+class AddReturnsTuple(Region):
+    def add(self, partial, residual=None):
+        return super().add(partial, residual), residual
+
+
 # The stage's mistakes ----------------------------------------------------------------------------------------------
 class FloorDivision(Stage):
     def __init__(self, num_layers, pp_rank, pp_size, tp_rank=0, tp_size=1):
@@ -192,7 +197,7 @@ MISTAKES = [  # (part, impl, TP size, words the message must hold, words it must
     ("sp_norm_region", AllReduced, 2, "that is an all-reduce", None),
     ("sp_norm_region", AllReduceAndSlice, 2, "gives the right numbers, but it ran all_reduce of 256 B (put in) where "
      "sequence parallelism runs one reduce_scatter of 256 B. Counted as notebook 07 counts a ring, it sends 256 B "
-     "from each rank, where SP sends 128 B", None),
+     "from each rank, where SP sends 128 B", "self.pad("),         # the notebook's stub has no pad method
     ("sp_norm_region", AllReduceInPlace, 2, "but it ran all_reduce of 256 B (put in)", "embed_tokens"),
     ("sp_norm_region", AllReduceByName, 2, "but it ran all_reduce of 256 B (put in)", None),
     ("sp_norm_region", HiddenDim, 2, "hidden dimension (dim 1)", None),
@@ -201,6 +206,7 @@ MISTAKES = [  # (part, impl, TP size, words the message must hold, words it must
     ("sp_norm_region", GatherOnDefaultDim, 2, "dim defaults to -1", None),
     ("sp_norm_region", KeepsPadding, 2, "kept the padding rows", None),
     ("sp_norm_region", NormAfterGather, 2, "normed the gathered tokens", None),
+    ("sp_norm_region", AddReturnsTuple, 2, "add(partial) returned a tuple, not a tensor: return only", "Attribute"),
     ("pipeline_stage", FloorDivision, 1, "layers [4] belong to no stage ([[0, 1], [2, 3]]): num_layers // pp_size "
      "each drops the remainder", None),
     ("pipeline_stage", EndsEarly, 1, "4 layers in 2 stages: each stage's range ends one layer early ([[0], [2]]; "
@@ -274,6 +280,7 @@ def test_check_engine_leaves_notebook_07s_parts_to_notebook_07():
     row = define("row_linear")["MyRowParallelLinear"]          # not ReturnsPartialSums: no SP engine could take it
     result = check_engine({"row_linear": row, "sp_norm_region": Region, "pipeline_stage": Stage})
     assert result.ok is True and "judged there" in result.message, result.message
+    assert "tplab's own embedding, qkv_linear, attention, gate_up_linear, lm_head, block_manager:" in result.message
 
 
 def test_a_pipeline_check_leaves_the_tp_checks_ranks_alone():

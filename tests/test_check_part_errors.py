@@ -78,3 +78,14 @@ def test_a_collective_at_tp1_without_a_group_gets_a_hint():
     assert result.ok is False and "at TP 1 (in this process) there is no process group" in result.message, \
         result.message
     assert "dist.all_reduce(y)" in result.message                      # the learner's line
+
+
+class ReturnsBias(Row):
+    def forward(self, x):
+        return super().forward(x), self.bias
+
+
+def test_a_forward_that_returns_a_tuple_is_told_what_to_return():
+    result = check_part("row_linear", ReturnsBias)                     # not "raised AttributeError: 'tuple' ..."
+    assert result.ok is False and "forward returned a tuple, not a tensor: return only the (T, output_size) " \
+        "output" in result.message, result.message

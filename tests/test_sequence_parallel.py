@@ -204,3 +204,32 @@ def test_bf16_and_the_finite_check_give_plain_tps_tokens_on_the_shipped_model():
                  sequence_parallel=sp) as llm:
             tokens[sp] = [o.token_ids for o in llm.generate(prompts, params)]
     assert tokens[True] == tokens[False]
+
+
+def _region_results(tp: int, add=None) -> list:
+    """What ``sp_region_probe.run`` returns on each rank for the right region; ``add(summed, residual, rank)``, when
+    given, is add(partial, residual)'s output instead."""
+    from tplab.exercises.sp_region_probe import CountingNorm, E, TOKENS, inputs, rows
+    results = [[] for _ in range(tp)]
+    for n in TOKENS:
+        partials, residual, weight = inputs(n, tp)
+        per_rank = -(-n // tp)
+        ops = {"local": [], "add_first": [("reduce_scatter", tp * per_rank * E * 4)],
+               "add": [("reduce_scatter", tp * per_rank * E * 4)], "norm_gather": [("all_gather", per_rank * E * 4)]}
+        for rank in range(tp):
+            summed, mine = rows(partials.sum(0), rank, tp), rows(residual, rank, tp)
+            results[rank].append({"local": mine, "add_first": summed, "norm_rows": per_rank, "ops": ops,
+                                  "add": summed + mine if add is None else add(summed, residual, rank),
+                                  "norm_gather": CountingNorm(weight)(residual).detach()})
+    return results
+
+
+def test_the_region_check_blames_the_residual_when_only_the_residual_is_wrong():
+    """add(partial) right, add(partial, residual) wrong: the message names the residual's mistake, not the sum."""
+    from tplab.exercises.sp_region_probe import diagnose, rows
+    assert diagnose(_region_results(2), 2)[0] is True
+    for add, words in [(lambda s, r, rank: s + 2 * rows(r, rank, 2), "the residual was added 2 times, once per rank"),
+                       (lambda s, r, rank: s + rows(r, 1 - rank, 2), "it added rank 1's rows of the residual"),
+                       (lambda s, r, rank: s + rows(r, rank, 2) / 2, "add(partial) is right, so the residual is off")]:
+        ok, why = diagnose(_region_results(2, add), 2)
+        assert ok is False and words in why and "sum over the ranks" not in why, why

@@ -3,7 +3,7 @@ cache, then one decode step each, against a plain reference, and against the usu
 import torch
 
 from tplab.layers.attention import build_metadata
-from tplab.exercises.layer_probes import ForgotReturn
+from tplab.exercises.layer_probes import returned
 
 H, H_KV, D, BLOCK, BLOCKS = 4, 2, 8, 4, 4
 TABLES = [[2, 0], [3]]                             # sequence 0: 5 tokens then 6; sequence 1: 3 then 4
@@ -39,19 +39,19 @@ def run(impl) -> dict:
         pick = lambda xs: torch.cat([x[c - ql:c] for x, ql, c in zip(xs, query_lens, context_lens)])
         with torch.no_grad():
             out = attn(pick(q), pick(k), pick(v), cache, meta)
-        if out is None:
-            raise ForgotReturn("forward returned None: did you forget `return`?")
-        outs.append(out)
+        outs.append(returned(out, "the (T, H * D) output; the cache is written in place"))
     return {"q": q, "k": k, "v": v, "outs": outs, "cache": cache}
 
 
 def diagnose(res) -> tuple[bool, str]:
-    k_cache = res["cache"][0].flatten(0, 1)                              # (slots, H_kv, D)
-    for b, table in enumerate(TABLES):
-        slots = torch.cat([torch.arange(blk * BLOCK, (blk + 1) * BLOCK) for blk in table])[:len(res["k"][b])]
-        if not torch.allclose(k_cache[slots], res["k"][b]):
-            return False, (f"the K cache does not hold sequence {b}'s keys at the slots of its blocks {table}: "
-                           "write k (T, H_kv, D) to meta.slot_mapping, as they are")
+    for cache, x, what in zip(res["cache"], "kv", ("keys", "values")):
+        flat = cache.flatten(0, 1)                                       # (slots, H_kv, D)
+        for b, table in enumerate(TABLES):
+            slots = torch.cat([torch.arange(blk * BLOCK, (blk + 1) * BLOCK) for blk in table])[:len(res[x][b])]
+            if not torch.allclose(flat[slots], res[x][b]):
+                return False, (f"the {x.upper()} cache does not hold sequence {b}'s {what} at the slots of its blocks "
+                               f"{table}: write {x} (T, H_kv, D) to meta.slot_mapping, as they are (later steps read "
+                               "them back from there)")
     data = res["q"], res["k"], res["v"]
     ref = [_reference(*data, step) for step in STEPS]
     mistakes = [

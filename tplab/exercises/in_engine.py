@@ -20,7 +20,9 @@ from tplab.engine.worker import Worker
 from tplab.models.checkpoints import tiny_stories
 from tplab.exercises.layer_probes import ForgotReturn
 from tplab.exercises.watchdog import bound_for, call_bounded
+from tplab import golden
 from tplab.golden import activation_names, all_tokens, hf_activations, hf_greedy_tokens
+from tplab.tolerance import RTOL
 
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and"]
 # a shared prefix, more KV than the cache holds: the block manager shares blocks, preempts and recomputes
@@ -76,6 +78,32 @@ def engine_acts(cfg, prompt):
     out = probe(model, prompt, outputs_of=activation_names(len(model.model.layers))[:-1])
     acts = {**out.outputs, "logits": out.logits.float().cpu()}
     return all_tokens(model, acts, len(prompt)) if model.sequence_parallel else acts   # SP: back to all T tokens
+
+
+def first_diff(ref: dict, acts: dict) -> tuple[str, str] | None:
+    """The first activation (``ref``'s forward order, those in ``acts``) that is not within its bound of HF's
+    (``golden.compare``: ``tplab.tolerance``, relative to the activation's size), and what is wrong with it, in
+    words that follow "it": another shape than HF's, NaN or inf, or how far from HF's it is; None when none is."""
+    names = [n for n in ref if n in acts]
+    cut = next((i for i, n in enumerate(names) if acts[n].shape != ref[n].shape), len(names))
+    rows = golden.compare({n: ref[n] for n in names[:cut]}, acts)      # the same shapes, up to the first that is not
+    first = golden.first_divergence(rows)
+    row = next((r for r in rows if r.name == first), None)
+    if row is None and cut < len(names):
+        return names[cut], f"has shape {tuple(acts[names[cut]].shape)}, HF's {tuple(ref[names[cut]].shape)}"
+    if row is None:
+        return None
+    if row.nonfinite:
+        return row.name, f"holds NaN or inf ({row.nonfinite} of its {acts[row.name].numel()} values)"
+    times = f"{row.max_abs / row.bound:.1f}".removesuffix(".0") if row.bound else "inf"
+    rtol = RTOL[torch.float32]
+    return row.name, (f"is up to {row.max_abs:.1e} from HF's, {times} times its bound {row.bound:.1e} ({rtol:.1e} "
+                      "of HF's largest value there, tplab.tolerance)")
+
+
+def worst(ref: dict, acts: dict) -> float:
+    """``golden.worst`` of ``acts`` against ``ref`` (those in ``acts``): the largest share of its bound any reaches."""
+    return golden.worst(golden.compare({n: r for n, r in ref.items() if n in acts}, acts))
 
 
 _groups: dict[tuple[str, int], RankGroup] = {}

@@ -14,7 +14,16 @@ E, I, H, H_KV, D, V = 8, 12, 4, 2, 4, 11      # small, unequal sizes: a swapped 
 
 
 class ForgotReturn(RuntimeError):
-    """A part's forward returned None."""
+    """A part's forward returned None, or something other than the tensor the engine takes (a tuple...)."""
+
+
+def returned(out, what: str):
+    """``out``, a part's return, when it is a tensor; else ForgotReturn saying what to return instead (``what``)."""
+    if out is None:
+        raise ForgotReturn("forward returned None: did you forget `return`?")
+    if not isinstance(out, torch.Tensor):
+        raise ForgotReturn(f"forward returned a {type(out).__name__}, not a tensor: return only {what}")
+    return out
 
 
 class TensorSlice:
@@ -40,6 +49,7 @@ class Spec:
     weights: list                                 # (parameter name, full checkpoint tensor, shard id)
     x: torch.Tensor                               # the full input
     split_input: bool = False                     # row parallel: rank r gets its slice of x's last dim
+    returns: str = "the output tensor"            # what forward returns, for a message when it returns another thing
 
 
 def _randn(*shape, seed):
@@ -48,12 +58,14 @@ def _randn(*shape, seed):
 
 def row_spec(tp):
     w, b = _randn(E, I, seed=1), _randn(E, seed=2)
-    return Spec((I, E), {"bias": True}, [("weight", w, None), ("bias", b, None)], _randn(3, I, seed=3), True)
+    return Spec((I, E), {"bias": True}, [("weight", w, None), ("bias", b, None)], _randn(3, I, seed=3), True,
+                "the (T, output_size) output, the bias already added in it (once)")
 
 
 def gate_up_spec(tp):
     g, u = _randn(I, E, seed=4), _randn(I, E, seed=5)
-    return Spec((E, [I, I]), {"bias": False}, [("weight", g, 0), ("weight", u, 1)], _randn(3, E, seed=6))
+    return Spec((E, [I, I]), {"bias": False}, [("weight", g, 0), ("weight", u, 1)], _randn(3, E, seed=6),
+                returns="the (T, sum(output_sizes) / tp) output: this rank's gate columns, then its up columns")
 
 
 def qkv_spec(tp):
@@ -61,16 +73,18 @@ def qkv_spec(tp):
     bq, bk, bv = _randn(H * D, seed=10), _randn(H_KV * D, seed=11), _randn(H_KV * D, seed=12)
     weights = [("weight", q, "q"), ("weight", k, "k"), ("weight", v, "v"), ("bias", bq, "q"), ("bias", bk, "k"),
                ("bias", bv, "v")]
-    return Spec((E, D, H, H_KV), {"bias": True}, weights, _randn(3, E, seed=13))
+    return Spec((E, D, H, H_KV), {"bias": True}, weights, _randn(3, E, seed=13),
+                returns="the one (T, q_size + 2 * kv_size) output, [q | k | v]: the engine splits it")
 
 
 def embedding_spec(tp):
     ids = torch.cat([torch.arange(V), torch.tensor([V - 1, 0, 5])])          # every id, a few repeated
-    return Spec((V, E), {}, [("weight", _randn(V, E, seed=14), None)], ids)
+    return Spec((V, E), {}, [("weight", _randn(V, E, seed=14), None)], ids, returns="the (T, E) embeddings")
 
 
 def lm_head_spec(tp):
-    return Spec((V, E), {}, [("weight", _randn(V, E, seed=15), None)], _randn(3, E, seed=16))
+    return Spec((V, E), {}, [("weight", _randn(V, E, seed=15), None)], _randn(3, E, seed=16),
+                returns="the (T, vocab_size) logits, every rank's columns gathered")
 
 
 SPECS = {"row_linear": row_spec, "gate_up_linear": gate_up_spec, "qkv_linear": qkv_spec,
@@ -99,9 +113,7 @@ def run_probe(impl, spec: Spec, tp_rank: int, tp_size: int, forward: bool = True
         cols = x.shape[-1] // tp_size
         x = x[:, tp_rank * cols:(tp_rank + 1) * cols]
     with torch.no_grad():
-        out = layer(x.clone())
-    if out is None:
-        raise ForgotReturn("forward returned None: did you forget `return`?")
+        out = returned(layer(x.clone()), spec.returns)
     return {"params": params, "out": out.detach().clone()}
 
 

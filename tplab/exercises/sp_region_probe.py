@@ -61,7 +61,8 @@ def run(blob: bytes) -> list[dict]:
                     with watch.block() as seen:
                         got[name] = call(region)
                     ops[name] = sorted(seen)
-            out.append({k: None if v is None else v.detach().float() for k, v in got.items()}
+            out.append({k: v.detach().float() if isinstance(v, torch.Tensor) else None if v is None else
+                        type(v).__name__ for k, v in got.items()}      # not a tensor: its type's name, for diagnose
                        | {"norm_rows": norm.rows, "ops": ops})
     return out
 
@@ -86,7 +87,22 @@ def _add_mistake(got, partials, rank, tp) -> str:
     return ""
 
 
-def _check_add(got, name, partials, mine, rank, tp, num_tokens) -> str | None:
+def _residual_mistake(got, residual, rank, tp) -> str:
+    """When add(partial) is right and add(partial, residual) is not: what happened to the residual."""
+    summed, mine = got["add_first"], rows(residual, rank, tp)
+    if tp > 1 and _same(got["add"], summed + tp * mine):
+        return (f"the residual was added {tp} times, once per rank (added before the reduce-scatter, which sums it "
+                "over the ranks): add it once, after the reduce-scatter")
+    other = next((r for r in range(tp) if r != rank and _same(got["add"], summed + rows(residual, r, tp))), None)
+    if other is not None:
+        return (f"it added rank {other}'s rows of the residual: the residual given to add is already this rank's "
+                "(per_rank, E) rows, add it as it is")
+    return ("add(partial) is right, so the residual is off: add this rank's (per_rank, E) rows of the residual (the "
+            "second argument, as given) once, after the reduce-scatter")
+
+
+def _check_add(got, name, partials, residual, rank, tp, num_tokens) -> str | None:
+    mine = rows(residual, rank, tp)
     want = rows(partials.sum(0), rank, tp) + (0 if name == "add_first" else mine)
     if got[name] is not None and _same(got[name], want):
         return None
@@ -96,9 +112,11 @@ def _check_add(got, name, partials, mine, rank, tp, num_tokens) -> str | None:
         return f"{where} returned None: did you forget `return`?"
     if name == "add" and _same(got["add"], got["add_first"]):
         return f"{where} did not add the residual (this rank's tokens of the residual stream, the second argument)"
-    why = _add_mistake(got["add_first"] if name == "add" else got[name], partials, rank, tp)
     shape = f" gave shape {tuple(got[name].shape)}, want {tuple(want.shape)}" if got[name].shape != want.shape else ""
-    why = why or "the values are not the sum over the ranks of this rank's tokens"
+    if name == "add":                                # add(partial) was right (checked first): the residual is off
+        return f"{where}{shape}: {_residual_mistake(got, residual, rank, tp)}"
+    why = _add_mistake(got[name], partials, rank, tp) or \
+        "the values are not the sum over the ranks of this rank's tokens"
     return f"{where}{shape}: {why}"
 
 
@@ -139,11 +157,26 @@ def _collective_problem(results, tp) -> str | None:
     return None
 
 
+RETURNS = {"local": "this rank's (per_rank, E) rows", "add_first": "the (per_rank, E) sums of this rank's tokens",
+           "add": "the (per_rank, E) sums of this rank's tokens plus its residual rows",
+           "norm_gather": "the (T, E) normed tokens of every rank"}
+
+
+def _not_tensors(got, rank, tp, num_tokens) -> str | None:
+    """A method that returned something other than a tensor or None (``run`` keeps its type's name)."""
+    name = next((n for n in RETURNS if isinstance(got[n], str)), None)
+    if name is None:
+        return None
+    call = {"add_first": "add(partial)", "add": "add(partial, residual)"}.get(name, name)
+    return (f"rank {rank}, T = {num_tokens} at TP {tp}: {call} returned a {got[name]}, not a tensor: return only "
+            f"{RETURNS[name]}")
+
+
 ALL_REDUCE = ("an all-reduce leaves every token's sum on every rank, and keeping this rank's rows throws (t - 1) / t "
               "of it away: that is plain TP's all-reduce, and with norm_gather's all-gather after it each region "
               "moves 1.5x plain TP's bytes instead of the same")
-ADVICE = {"add": "Reduce-scatter the padded partial sums over tokens, and nothing more: "
-                 "reduce_scatter(self.pad(partial), tp_size, dim=0)",
+ADVICE = {"add": "Reduce-scatter the partial sums, padded with zero rows to per_rank * tp_size (F.pad), over tokens, "
+                 "and nothing more: reduce_scatter(padded, tp_size, dim=0)",
           "norm_gather": "Norm this rank's tokens and all-gather them over tokens: all_gather(norm(x), tp_size, dim=0)",
           "local": "Every rank already holds the whole tensor: narrow it to this rank's rows, with no communication"}
 
@@ -167,12 +200,14 @@ def diagnose(results: list[list[dict]], tp: int) -> tuple[bool, str]:
         partials, residual, weight = inputs(num_tokens, tp)
         for rank, per_case in enumerate(results):
             got = per_case[i]
+            why = _not_tensors(got, rank, tp, num_tokens)
+            if why:
+                return False, why
             if got["local"] is None or not _same(got["local"], rows(residual, rank, tp)):
                 return False, (f"rank {rank}, T = {num_tokens} at TP {tp}: local(full) must be this rank's rows "
                                f"[r * per_rank, (r + 1) * per_rank) of the tokens padded to a multiple of {tp}")
-            mine = rows(residual, rank, tp)
-            why = _check_add(got, "add_first", partials, mine, rank, tp, num_tokens) or \
-                _check_add(got, "add", partials, mine, rank, tp, num_tokens) or \
+            why = _check_add(got, "add_first", partials, residual, rank, tp, num_tokens) or \
+                _check_add(got, "add", partials, residual, rank, tp, num_tokens) or \
                 _check_norm_gather(got, partials, residual, weight, rank, tp, num_tokens)
             if why:
                 return False, why
