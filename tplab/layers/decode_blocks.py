@@ -11,7 +11,9 @@ import torch
 
 @dataclass
 class DecodeBlocks:
-    """Which KV blocks the decode sequences (query length 1) of a step hold. Built once per step."""
+    """Which KV blocks the decode sequences (query length 1) of a step hold. Built once per step, before the
+    forward: the padded fields too, though only a GPU's ``dense_decode`` reads them, since a tensor made from
+    host data inside the forward would make a GPU's host wait for the kernels queued before it."""
     seqs: list[int]               # Bd ints: index b of each decode sequence in the step
     token_index: torch.Tensor     # (Bd,) long: its token's row in the step's T tokens
     blocks: torch.Tensor          # (nb,) long: each decode sequence's blocks in order, one sequence after another
