@@ -3,6 +3,7 @@ from tplab.engine.block_manager import BlockManager
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
+from tplab.layers.metadata import build_metadata
 
 
 def seq(i, tokens, max_tokens=8):
@@ -35,7 +36,11 @@ def test_slots_of_a_sequence_are_distinct_and_in_its_blocks():
     a, b = seq(0, range(5)), seq(1, range(7))
     admit(bm, a)
     admit(bm, b)
-    assert not set(a.block_table) & set(b.block_table)
+    assert len(a.block_table) == len(b.block_table) == 2 and not set(a.block_table) & set(b.block_table)
+    meta = build_metadata([5, 7], [5, 7], [a.block_table, b.block_table], 4, "cpu")
+    slots = meta.slot_mapping.tolist()
+    assert len(set(slots)) == 12
+    assert all(s // 4 in a.block_table for s in slots[:5]) and all(s // 4 in b.block_table for s in slots[5:])
 
 
 def test_shared_prefix_blocks_are_reference_counted():

@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, bugs, golden, models
+from tplab.distributed.launcher import RankError
 from tplab.engine.probe import load_model
 from tplab.layers.weights import WeightShapeError
 
@@ -111,7 +112,7 @@ def test_rope_cos_sin_axis_is_silent_only_where_the_local_heads_match_the_tokens
     assert all(r.nonfinite == 0 for r in rows)
     with pytest.raises(RuntimeError, match=r"size of tensor a \(4\) must match the size of tensor b \(2\)"):
         golden.tplab_activations(folder, ids, 1, bugs=["rope_cos_sin_axis"])   # 4 heads per rank, 2 tokens
-    with pytest.raises(Exception, match="index_copy_"):             # 1 KV head per rank: k grows to (T, T, D)
+    with pytest.raises(RankError, match="index_copy_"):             # 1 KV head per rank: k grows to (T, T, D)
         golden.tplab_activations(checkpoint("gqa"), ids, 2, bugs=["rope_cos_sin_axis"])
 
 

@@ -26,6 +26,7 @@ def first_off(model_dir, **settings) -> str | None:
     mine = {}
     for acts in launch(golden.stage_activations, cfg.world_size, args=(cfg, PROMPT)):
         mine.update(acts or {})
+    assert "model.layers.0.mlp" in mine, sorted(mine)            # a None below must have compared the MoE blocks
     ref = golden.hf_activations(model_dir, PROMPT)
     return golden.first_divergence(golden.compare({n: ref[n] for n in mine}, mine))
 

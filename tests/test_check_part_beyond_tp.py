@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed import all_reduce as torch_all_reduce
 
 from tplab import LLM, SamplingParams
+from tplab.distributed.launcher import RankError
 from tplab.distributed.parallel_state import all_gather, all_reduce, isend, recv, reduce_scatter
 from tplab.exercises import check_engine, check_part, in_engine
 from tplab.exercises.parts import _exception_result, reference
@@ -262,7 +263,7 @@ def _abort(_):
 
 def test_gloos_reason_is_read_from_the_dead_ranks_stderr():
     group = in_engine.kept_ranks(2, 60, "abort")
-    with pytest.raises(Exception) as raised:
+    with pytest.raises(RankError) as raised:
         group.run(_abort, (None,))
     assert "died (signal 6, SIGABRT)" in str(raised.value)
     assert "Received data size doesn't match" in in_engine.aborted_because(raised.value, group)

@@ -152,7 +152,7 @@ def test_ranks_see_the_environment_of_the_moment_they_start(group2, monkeypatch)
 
 def test_unpicklable_function_is_refused_in_the_parent_and_group_stays_usable(group2):
     lock = threading.Lock()
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="cannot pickle '_thread.lock'"):
         group2.run(lambda: lock)
     assert group2.run(world_info) == [(0, 2), (1, 2)]
 

@@ -41,7 +41,8 @@ def test_each_rank_reads_only_its_shard(checkpoint, monkeypatch, tp):
         model = load_model(folder, tp, tp_rank=rank)
         held = sum(p.numel() for p in model.parameters())
         norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)   # replicated on every rank
-        assert sum(read) <= held, "a rank read more than it holds"
+        # what it holds, read; less at most the vocab's padding row (64), which no file holds
+        assert held - 64 <= sum(read) <= held, f"rank {rank} read {sum(read)} elements and holds {held}"
         share = (full - norms) / tp + norms + 64                   # + at most one padding row of the vocab
         assert held <= share, f"rank {rank} holds {held} parameters, more than its share {share:.0f}"
 

