@@ -138,16 +138,40 @@ def test_fallback_runs_eager_with_one_line(case, checkpoint, tmp_path):
 
 
 def test_compiled_ops_are_the_eager_parts(checkpoint):
-    """The opaque ops run each part's own forward: one linear layer and one step's attention alone."""
+    """The opaque ops run each part's own forward, the one their index names: two linear layers of different
+    shapes (layer 0's qkv_proj, op 0, and the last layer's down_proj, a later op) and the last layer's
+    attention on a step over a cache already holding keys, which writes that layer's cache and no other."""
     from tplab.engine import compiled
     from tplab.engine.probe import load_model
+    from tplab.layers.attention import kv_cache_shape
+    from tplab.layers.metadata import build_metadata
+    torch.manual_seed(0)
     model = load_model(checkpoint("gqa"))
-    qkv = model.model.layers[0].self_attn.qkv_proj
-    x = torch.randn(3, qkv.weight.shape[1])
-    expected = qkv(x)
-    _, linears = compiled._opaque(model)
-    compiled._step["linears"] = linears
+    layers = model.model.layers
+    qkv, down, attn = layers[0].self_attn.qkv_proj, layers[-1].mlp.down_proj, layers[-1].self_attn.attn
+    xs = {m: torch.randn(3, m.weight.shape[1]) for m in (qkv, down)}
+    expected = {m: m(x) for m, x in xs.items()}
+    # a step of two sequences: 3 new tokens after 2 cached, 1 new after 3 cached (block size 8, one block each)
+    meta = build_metadata([3, 1], [5, 4], [[0], [1]], block_size=8, device="cpu")
+    q = torch.randn(4, attn.num_heads, attn.head_dim)
+    k, v = (torch.randn(4, attn.num_kv_heads, attn.head_dim) for _ in range(2))
+    shape = kv_cache_shape(type(attn), 2, 8, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in layers]        # each layer's cache its own
+    before = [tuple(c.clone() for c in cache) for cache in caches]
+    eager_cache = tuple(c.clone() for c in caches[-1])
+    expected_attn = attn(q, k, v, eager_cache, meta)
+    attentions, linears = compiled._opaque(model)
+    assert qkv.tplab_op_index == 0 and down.tplab_op_index > 0
+    assert attn.tplab_op_index == len(layers) - 1 > 0
+    compiled._step.update(linears=linears, attentions=attentions, kv_caches=caches, meta=meta)
     try:
-        assert torch.equal(qkv(x), expected)                  # now through tplab::linear
+        for m, x in xs.items():
+            out = m(x)                                         # now through tplab::linear
+            assert out.shape == expected[m].shape and torch.equal(out, expected[m])
+        out = attn(q, k, v, None, None)                        # now through tplab::attention: _step's cache, meta
+        assert torch.equal(out, expected_attn)
     finally:
-        compiled._step["linears"] = None
+        compiled._step.update(linears=None, attentions=None, kv_caches=None, meta=None)
+    assert all(torch.equal(a, b) for a, b in zip(caches[-1], eager_cache))           # its K/V written there
+    assert all(torch.equal(a, b) for cache, old in zip(caches[:-1], before[:-1]) for a, b in zip(cache, old))
+    assert not torch.equal(caches[-1][0], before[-1][0])

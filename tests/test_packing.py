@@ -144,13 +144,34 @@ def cpu_without_onednn_bf16(monkeypatch):
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available here")
 def test_without_onednn_bf16_fp32_still_packs_and_a_bf16_model_multiplies_as_hf(checkpoint, cpu_without_onednn_bf16):
+    """The bf16 engine asked for oneDNN multiplies with ``F.linear``, as HF: bit for bit the tokens and logprobs
+    of an engine told not to use oneDNN, every logprob finite, and HF bf16's greedy tokens with logprobs within
+    the bf16 bound (another token than HF's only where HF's pick led by no more than that bound: a near-tie)."""
+    from transformers import AutoModelForCausalLM
+    from tplab import LLM, SamplingParams, tolerance
+    from tplab.golden import hf_greedy_tokens
     fp32 = Gemm.choose(True, True, torch.float32)
     assert (fp32.onednn, fp32.pack) == (True, packing_available())                  # fp32 keeps its path
     assert Gemm.choose(True, True, torch.bfloat16) == Gemm(False, False)              # bf16: F.linear, as HF
-    from tplab import LLM, SamplingParams
-    with LLM(checkpoint("gqa"), dtype="bfloat16") as llm:        # raised in every linear layer before
-        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))[0]
-    assert len(out.token_ids) == 4
+    prompts, n, runs = [[1, 2, 3], [5, 17, 42, 9, 77, 3, 120]], 6, {}
+    for onednn in (True, False):                                 # True raised in every linear layer before
+        with LLM(checkpoint("gqa"), dtype="bfloat16", onednn=onednn) as llm:
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            runs[onednn] = [(o.token_ids, o.logprobs) for o in outs]
+    assert runs[True] == runs[False]                             # the plain F.linear engine's, bit for bit
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint("gqa"), dtype=torch.bfloat16).eval()
+    for prompt, (tokens, logprobs) in zip(prompts, runs[True]):
+        assert len(tokens) == n and torch.isfinite(torch.tensor(logprobs)).all(), logprobs
+        ref = hf_greedy_tokens(hf, [prompt], n)[0]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ref])).logits[0].float()
+        bound = tolerance.logprob_bound(logits, torch.bfloat16)
+        hf_logprobs = logits[len(prompt) - 1:-1].log_softmax(-1)                           # (n, V)
+        top2 = hf_logprobs.topk(2).values
+        parts = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), n)        # HF's context until
+        worst = max([0.0] + [abs(logprobs[i] - hf_logprobs[i, t].item()) for i, t in enumerate(ref[:parts])])
+        assert worst <= bound, f"{prompt}: logprob off by {worst:.3f} from HF bf16, bound {bound:.3f}"
+        assert parts == n or top2[parts, 0] - top2[parts, 1] <= bound, f"{prompt}: {tokens} vs HF's {ref}"
 
 
 # MKL for products of a few rows (``Gemm.few_rows_mkl``), on the layers that keep their weights plain for it

@@ -49,10 +49,13 @@ def assert_matches_hf(outs, reference, what):
         assert worst <= ref.bound, f"{what}: logprob off by {worst:.2e}, bound {ref.bound:.2e}"
 
 
-def kernel_layers(llm) -> list[bool]:
-    """For each MoE layer of an in-process engine: whether the kernel ran it (its weights packed)."""
-    return [layer.mlp.experts.packed is not None for layer in llm._worker.engine.model.model.layers
-            if isinstance(getattr(layer.mlp, "experts", None), VllmCpuExperts)]
+def kernel_layers(llm) -> list[list[bool]]:
+    """For each rank (one list; in-process at TP 1), each of its MoE layers: whether the kernel ran it (its
+    weights packed). Every MoE layer must be a ``VllmCpuExperts``: one built as another part counts as not."""
+    def ran(worker):       # nested, so that it reaches the ranks by value (RankGroup.call)
+        return [isinstance(layer.mlp.experts, VllmCpuExperts) and layer.mlp.experts.packed is not None
+                for layer in worker.engine.model.model.layers if hasattr(layer.mlp, "experts")]
+    return [ran(llm._worker)] if llm._group is None else llm._group.call(ran, timeout=60)
 
 
 @needs_vllm_kernels
@@ -60,7 +63,7 @@ def kernel_layers(llm) -> list[bool]:
 def test_fp32_equals_hf_with_chunks_prefix_hits_and_preemption(name, moe, reference):
     with LLM(moe(name), parts=PART, **TIGHT) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
-        stats, ran = llm.stats(), kernel_layers(llm)
+        stats, [ran] = llm.stats(), kernel_layers(llm)
     assert ran and all(ran), f"the kernel ran {sum(ran)} of {len(ran)} MoE layers"
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_blocks"] > 0, stats
     assert_matches_hf(outs, reference(name), f"{name}, VllmCpuExperts")
@@ -71,8 +74,13 @@ def test_fp32_equals_hf_with_chunks_prefix_hits_and_preemption(name, moe, refere
                                       dict(tensor_parallel_size=2, enable_expert_parallel=True)],
                          ids=["tp2", "tp2_ep_runs_fusedmoes_loop"])
 def test_at_tp2_and_with_expert_parallelism_it_equals_hf(settings, moe, reference):
+    """At TP 2 the kernel runs every MoE layer on both ranks; with expert parallelism FusedMoE's loop does."""
     with LLM(moe("qwen3_moe"), parts=PART, **settings) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
+        ranks = kernel_layers(llm)
+    expect = not settings.get("enable_expert_parallel", False)
+    assert len(ranks) == 2 and all(ran and all(r == expect for r in ran) for ran in ranks), \
+        f"the kernel ran (per rank, per MoE layer): {ranks}, expected {expect} everywhere"
     assert_matches_hf(outs, reference("qwen3_moe"), f"VllmCpuExperts, {settings}")
 
 
@@ -83,7 +91,8 @@ def test_experts_off_the_kernels_blocks_run_fusedmoes_loop(moe, reference):
         torch.zeros(1, 64))
     with LLM(moe("qwen3_moe_off_blocks"), parts=PART) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
-        assert not any(kernel_layers(llm))
+        [ran] = kernel_layers(llm)
+        assert ran and not any(ran)
     assert_matches_hf(outs, reference("qwen3_moe_off_blocks"), "VllmCpuExperts on experts of 48")
 
 
