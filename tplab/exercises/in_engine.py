@@ -84,21 +84,18 @@ def first_diff(ref: dict, acts: dict) -> tuple[str, str] | None:
     """The first activation (``ref``'s forward order, those in ``acts``) that is not within its bound of HF's
     (``golden.compare``: ``tplab.tolerance``, relative to the activation's size), and what is wrong with it, in
     words that follow "it": another shape than HF's, NaN or inf, or how far from HF's it is; None when none is."""
-    names = [n for n in ref if n in acts]
-    cut = next((i for i, n in enumerate(names) if acts[n].shape != ref[n].shape), len(names))
-    rows = golden.compare({n: ref[n] for n in names[:cut]}, acts)      # the same shapes, up to the first that is not
-    first = golden.first_divergence(rows)
-    row = next((r for r in rows if r.name == first), None)
-    if row is None and cut < len(names):
-        return names[cut], f"has shape {tuple(acts[names[cut]].shape)}, HF's {tuple(ref[names[cut]].shape)}"
-    if row is None:
-        return None
-    if row.nonfinite:
-        return row.name, f"holds NaN or inf ({row.nonfinite} of its {acts[row.name].numel()} values)"
-    times = f"{row.max_abs / row.bound:.1f}".removesuffix(".0") if row.bound else "inf"
-    rtol = RTOL[torch.float32]
-    return row.name, (f"is up to {row.max_abs:.1e} from HF's, {times} times its bound {row.bound:.1e} ({rtol:.1e} "
-                      "of HF's largest value there, tplab.tolerance)")
+    for name in (n for n in ref if n in acts):
+        if acts[name].shape != ref[name].shape:                        # golden.compare takes equal shapes only
+            return name, f"has shape {tuple(acts[name].shape)}, HF's {tuple(ref[name].shape)}"
+        [row] = golden.compare({name: ref[name]}, acts)
+        if row.ok:
+            continue
+        if row.nonfinite:
+            return name, f"holds NaN or inf ({row.nonfinite} of its {acts[name].numel()} values)"
+        times = f"{row.max_abs / row.bound:.1f}".removesuffix(".0") if row.bound else "inf"
+        return name, (f"is up to {row.max_abs:.1e} from HF's, {times} times its bound {row.bound:.1e} "
+                      f"({RTOL[torch.float32]:.1e} of HF's largest value there, tplab.tolerance)")
+    return None
 
 
 def worst(ref: dict, acts: dict) -> float:
