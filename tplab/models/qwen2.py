@@ -169,7 +169,11 @@ class Qwen2Model(nn.Module):
         x = self._embed(input_ids, sp)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, kv_cache, meta, sp)
-        return self.norm(x) if sp is None else sp.norm_gather(x, self.norm)   # (T, E) for the LM head
+        return self._final_norm(x, sp)
+
+    def _final_norm(self, x, sp):
+        """The final norm, on this rank's T / t tokens then all-gathered under SP: ``(T, E)`` for the LM head."""
+        return self.norm(x) if sp is None else sp.norm_gather(x, self.norm)
 
     def boundary_rows(self, num_tokens: int) -> int:
         """Rows of the ``(hidden, residual)`` a stage sends for a step of ``num_tokens`` tokens: all of them,
@@ -192,8 +196,7 @@ class Qwen2Model(nn.Module):
         last = self.layers[layers[-1]]
         if not self.stage.has_head:
             return last.forward_unsummed(x, kv_caches[layers[-1]], meta, sp)   # (rows, E) twice
-        x = last(x, kv_caches[layers[-1]], meta, sp)
-        return self.norm(x) if sp is None else sp.norm_gather(x, self.norm)
+        return self._final_norm(last(x, kv_caches[layers[-1]], meta, sp), sp)
 
 
 def tie_weights(lm_head: nn.Module, embedding: nn.Module) -> None:

@@ -1,5 +1,4 @@
 # Exercise: sp_norm_region (reference solution)
-import torch
 import torch.nn.functional as F
 
 from tplab.distributed.parallel_state import all_gather, reduce_scatter
