@@ -1,5 +1,6 @@
 """The notebook 00 checker passes the reference ring all-reduce and names each usual mistake, in real ranks."""
 import torch
+from torch.distributed import all_reduce
 
 from tplab.exercises import nb00
 from tplab.exercises.solutions import define
@@ -97,6 +98,23 @@ def test_calling_a_collective_is_refused_by_name():
         return x
     result = nb00.check_ring_all_reduce(lazy, world_sizes=WORLD3)
     assert result.ok is False and "called dist.all_reduce" in result.message
+
+
+def test_a_collective_imported_by_name_or_through_tplab_is_refused():
+    """A cell's ``from torch.distributed import all_reduce`` is pickled by reference: the ranks must load it
+    under the spies; tplab's own collectives go through shared memory, not ``torch.distributed``."""
+    def imported(x):
+        all_reduce(x)
+        return x
+
+    def tplabs(x):
+        import torch.distributed as dist
+        from tplab.distributed.parallel_state import all_reduce as tp_all_reduce
+        return tp_all_reduce(x.clone(), dist.get_world_size())
+    result = nb00.check_ring_all_reduce(imported, world_sizes=(2,))
+    assert result.ok is False and "called dist.all_reduce" in result.message, result
+    result = nb00.check_ring_all_reduce(tplabs, world_sizes=(2,))
+    assert result.ok is False and "called tplab's all_reduce" in result.message, result
 
 
 def test_a_flattened_result_is_refused_with_the_fix():

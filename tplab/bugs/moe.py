@@ -52,6 +52,6 @@ class SharedExpertEveryRankLinear(RowParallelLinear):
     shared expert. Exact at TP 1; from TP 2 the first MoE block is off, and only on a model with a shared expert
     (o_proj and dense MLPs ask for their sums, so nothing else changes; not for ``sequence_parallel``)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
-                 tp_rank=None, tp_size=None):
-        super().__init__(input_size, output_size, bias, True, tp_rank, tp_size)   # reduce_results ignored
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank=None, tp_size=None,
+                 reduce_results: bool = True):
+        super().__init__(input_size, output_size, bias, tp_rank, tp_size)   # reduce_results ignored: always summed

@@ -10,10 +10,12 @@ the usual mistake: no all-gather phase, a chunk added twice, chunks out of order
 """
 import re
 
+import cloudpickle
 import torch
 
 from tplab.distributed.launcher import RankError, RankGroup
-from tplab.exercises import FORGOT_RETURN, ExerciseResult, is_stub_error, run_checker, watchdog
+from tplab.distributed.parallel_state import count_collectives
+from tplab.exercises import FORGOT_RETURN, ExerciseResult, dist_watch, is_stub_error, run_checker, watchdog
 
 WORLD_SIZES = (3, 2)        # 3 first: with 2 ranks, "rank + step" and "rank - step" pick the same chunk
 BASE = 8                    # one octal digit per rank: how many times its value was summed in
@@ -32,10 +34,12 @@ def encoded_input(rank: int, world: int, n: int) -> torch.Tensor:
     return BASE ** rank + BASE ** world * torch.arange(n, dtype=torch.float32)
 
 
-def _in_rank(fn, case, bound_s=None):
+def _in_rank(blob: bytes, case, bound_s=None):
     """In each rank: the learner's result on one case, dist.all_reduce's, and the collectives fn called.
-    ``case`` is a number of elements (the encoded input) or a shape (random values); ``fn`` is stopped
-    after ``bound_s`` seconds (``watchdog``)."""
+    ``blob`` is ``fn`` pickled by the parent and loaded here under the spies, so a cell's
+    ``from torch.distributed import all_reduce`` finds a spy too; tplab's own collectives are counted as
+    well. ``case`` is a number of elements (the encoded input) or a shape (random values); ``fn`` is
+    stopped after ``bound_s`` seconds (``watchdog``)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,21 +49,21 @@ def _in_rank(fn, case, bound_s=None):
         x = torch.randn(*case, generator=torch.Generator().manual_seed(rank))
     ref = x.clone()
     dist.all_reduce(ref)
-    used, real = [], {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    used = []
 
     def spy(name):
-        def call(*args, **kwargs):
-            used.append(name)
-            return real[name](*args, **kwargs)          # still run it, so the other ranks do not hang
-        return call
-    for name in real:
-        setattr(dist, name, spy(name))
-    try:
+        def make(real):
+            def call(*args, **kwargs):
+                used.append(f"dist.{name}")
+                return real(*args, **kwargs)            # still run it, so the other ranks do not hang
+            return call
+        return make
+    spies = {name: spy(name) for name in COLLECTIVES if hasattr(dist, name)}
+    with dist_watch.patched(spies), count_collectives() as ours:
+        fn = dist_watch.load(blob)
         with watchdog.bounded(bound_s):
             out = fn(x.clone())
-    finally:
-        for name, f in real.items():
-            setattr(dist, name, f)
+    used += [f"tplab's {r.op}" for r in ours if r.op not in ("send", "recv")]
     return out, ref, sorted(set(used))
 
 
@@ -110,7 +114,7 @@ def _judge(world: int, case, per_rank) -> str | None:
     """The first thing wrong with the ranks' results on one case, or None."""
     for rank, (_, _, used) in enumerate(per_rank):
         if used:
-            return (f"rank {rank} called dist.{used[0]}: build the all-reduce yourself from point-to-point "
+            return (f"rank {rank} called {used[0]}: build the all-reduce yourself from point-to-point "
                     "messages (dist.isend / dist.recv to the ring neighbours)")
     for rank, (out, ref, _) in enumerate(per_rank):
         where = f"world size {world}, rank {rank}, x of shape {tuple(ref.shape)}"
@@ -177,12 +181,13 @@ def _cases(world: int) -> list:
 
 def _compare(fn, world_sizes=WORLD_SIZES, timeout=TIMEOUT_S):
     _reraise_untouched_stub(fn)
+    blob = cloudpickle.dumps(fn)
     for world in world_sizes:
         case = None
         try:
             with RankGroup(world, backend="gloo", timeout=timeout) as group:
                 for case in _cases(world):           # one run each: a rank that dies on one case
-                    per_rank = group.run(_in_rank, (fn, case, watchdog.bound_for(timeout)))
+                    per_rank = group.run(_in_rank, (blob, case, watchdog.bound_for(timeout)))
                     wrong = _judge(world, case, per_rank)     # leaves the verdicts before it
                     if wrong:
                         return False, wrong

@@ -13,11 +13,10 @@ import uuid
 
 import cloudpickle
 
-from tplab.engine.config import EngineConfig
 from tplab.engine.sampling import SamplingParams
 from tplab.exercises import ExerciseResult, boundary_probe
-from tplab.exercises.in_engine import NEW_TOKENS, first_diff, kept_ranks, reference, serve_here, worst
-from tplab.exercises.watchdog import bound_for, call_bounded
+from tplab.exercises.in_engine import NEW_TOKENS, engine_config, first_diff, kept_ranks, reference, serve_here, worst
+from tplab.exercises.watchdog import DidNotReturn, bound_for, call_bounded
 from tplab.golden import stage_activations
 
 CASES = [(4, 2), (4, 4), (5, 2), (5, 4), (3, 2), (28, 4), (24, 8)]     # (layers, stages)
@@ -70,12 +69,7 @@ def _split_problem(owned: list[list[int]], num_layers: int, pp: int) -> str | No
     return None
 
 
-def _engine_config(impl, tp: int, **settings) -> EngineConfig:
-    return EngineConfig(model=reference()["model"], tensor_parallel_size=tp, pipeline_parallel_size=PP, device="cpu",
-                        parts={"pipeline_stage": impl}, **settings)
-
-
-def _verdict(impl, tp, acts, tokens) -> ExerciseResult:
+def _verdict(tp, acts, tokens) -> ExerciseResult:
     ref = reference()
     merged = {}
     for a in acts:
@@ -111,17 +105,17 @@ def judge(impl, tp: int, timeout: float, on_error) -> ExerciseResult:
         if why:
             return ExerciseResult("pipeline_stage", False, why)
         where, group = f"inside the engine at TP {tp} x PP {PP}", kept_ranks(tp * PP, timeout, "pp")
-        ref = reference()
-        acts = group.run(call_bounded, (bound, stage_activations, _engine_config(impl, tp, max_num_batched_tokens=64),
-                                        ref["prompts"][0]), timeout=timeout)
+        ref, parts = reference(), {"pipeline_stage": impl}
+        acts = group.run(call_bounded, (bound, stage_activations, engine_config(parts, tp, pipeline_parallel_size=PP,
+                                        max_num_batched_tokens=64), ref["prompts"][0]), timeout=timeout)
         params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(ref["prompts"])
-        tokens, _ = group.run(call_bounded, (bound, serve_here, _engine_config(impl, tp), ref["prompts"], params),
-                              timeout=timeout)[0]
+        tokens, _ = group.run(call_bounded, (bound, serve_here, engine_config(parts, tp, pipeline_parallel_size=PP),
+                                             ref["prompts"], params), timeout=timeout)[0]
     except TimeoutError as e:
         why = ("The boundary worked alone; in the engine a stage receives the pair sent in one tick during the next, "
                "after every rank has ended the first: a send or recv that waits on anything else there waits forever"
                ) if where.startswith("inside") else "A send or recv that no rank answers waits forever"
         return ExerciseResult("pipeline_stage", False, f"{where}: the ranks did not finish in time ({e}). {why}")
-    except Exception as e:  # the learner's code raised, here or in a rank
+    except (Exception, DidNotReturn) as e:  # the learner's code raised or looped, here or in a rank
         return on_error("pipeline_stage", impl, e, where, group)
-    return _verdict(impl, tp, acts, tokens)
+    return _verdict(tp, acts, tokens)

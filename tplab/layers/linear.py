@@ -157,8 +157,8 @@ class RowParallelLinear(LinearBase, ReturnsPartialSums):
       ``(T, output_size)``, the full sum, the same on every rank.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
-                 tp_rank=None, tp_size=None):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank=None, tp_size=None,
+                 reduce_results: bool = True):
         _, size = tp_rank_and_size(tp_rank, tp_size)
         self.input_size, self.output_size = input_size, output_size
         self.reduce_results = reduce_results

@@ -39,6 +39,7 @@ class PipelineStage:
     Contract of ``Parts.pipeline_stage`` (what a replacement keeps):
     - ``__init__(num_layers, pp_rank, pp_size, tp_rank=0, tp_size=1)``; world rank = ``pp_rank * tp_size + tp_rank``
       (within its DP rank: ``parallel_state``'s ``isend``/``recv`` add the DP rank's first world rank).
+    - ``pp_rank``, ``pp_size``: attributes the engine reads.
     - ``layers``: the global indices of the decoder layers this stage owns, a non-empty ``range``; the stages'
       ranges are contiguous, in order, and cover ``range(num_layers)`` once.
     - ``has_embedding`` (the first stage) / ``has_head`` (the last: final norm and LM head): bools.
