@@ -257,7 +257,7 @@ def test_the_engine_verdicts_judge_each_sublayer_by_its_bound_and_name_nan_and_s
         stage = {n: a for n, a in acts.items() if n != "logits"}          # a pipeline has no logits
         return (parts._verdict("row_linear", {"row_linear": Row}, 2, [acts], [ref["acts"], acts], ref["tokens"],
                                ref["tokens"], {}).message,
-                pipeline_probe._verdict(None, 1, [stage, None], ref["tokens"]).message)
+                pipeline_probe._verdict(1, [stage, None], ref["tokens"]).message)
 
     bound, shape = golden.bound(ref["acts"]["model.layers.0.mlp"]), tuple(ref["acts"]["model.layers.0.mlp"].shape)
     for message in verdicts("model.layers.0.mlp", lambda a: a + 0.5 * bound):

@@ -11,7 +11,7 @@ from tplab.exercises.solutions import PARTS, define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the parts below travel to the ranks by value
 
-Row, GateUp = (define(name)[PARTS[name]] for name in ("row_linear", "gate_up_linear"))
+Row, GateUp, Stage = (define(name)[PARTS[name]] for name in ("row_linear", "gate_up_linear", "pipeline_stage"))
 
 
 class Stub(torch.nn.Module):
@@ -89,3 +89,16 @@ def test_a_forward_that_returns_a_tuple_is_told_what_to_return():
     result = check_part("row_linear", ReturnsBias)                     # not "raised AttributeError: 'tuple' ..."
     assert result.ok is False and "forward returned a tuple, not a tensor: return only the (T, output_size) " \
         "output" in result.message, result.message
+
+
+class LoopsOnAnOddSplit(Stage):
+    def __init__(self, num_layers, *args, **kwargs):
+        super().__init__(num_layers, *args, **kwargs)
+        while num_layers % 2:                                          # the stages alone try 5 layers
+            pass
+
+
+def test_an_endless_loop_in_a_stage_is_named_not_raised_into_the_cell():
+    result = check_part("pipeline_stage", LoopsOnAnOddSplit, tensor_parallel_size=1, timeout=8)
+    assert result.ok is False and "did not return within" in result.message, result.message
+    assert "LoopsOnAnOddSplit.__init__" in result.message, result.message

@@ -32,8 +32,8 @@ def require_float32_matmuls() -> None:
 
     ``torch.set_float32_matmul_precision("medium")`` (or ``"high"``, or the backends' ``fp32_precision``)
     makes oneDNN multiply fp32 in bf16 on a CPU with AMX (and CUDA in tf32): HF's reference and tplab then
-    round the same way and agree to the last bit (docs/numerics.md), so a per-sublayer diff
-    against that reference shows nothing while both are about 2e4 fp32 eps off."""
+    round the same way and agree to the last bit, so a per-sublayer diff against that reference shows
+    nothing while both are far from the fp32 answer (docs/numerics.md says how far)."""
     set_to = {name: getattr(getattr(torch.backends, name).matmul, "fp32_precision", "none")
               for name in ("mkldnn", "cuda")}
     rounded = {name: value for name, value in set_to.items() if value not in ("none", "ieee")}

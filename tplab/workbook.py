@@ -21,8 +21,8 @@ def model_dir() -> Path:
 
 def setup(seed: int = 0, solutions: bool | None = None) -> None:
     """Seed everything, keep library progress bars and warnings out of cell outputs, and watch the
-    exercise cells (``# Exercise: <name>``). ``solutions=True`` (default: ``$TPLAB_SOLUTIONS`` is 1)
-    makes every exercise cell run its reference solution, so a room can skip ahead."""
+    exercise cells (``# Exercise: <name>``). ``solutions=True`` (default: ``$TPLAB_SOLUTIONS`` set, and not
+    0, false or empty) makes every exercise cell run its reference solution, so a room can skip ahead."""
     if solutions is None:
         solutions = os.environ.get("TPLAB_SOLUTIONS", "0") not in ("", "0", "false", "False")
     exercise_cells.install(bool(solutions))

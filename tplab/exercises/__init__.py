@@ -1,6 +1,6 @@
 """Exercises: the learner writes a function or a part in a notebook, a checker says whether it is right.
 
-Each notebook's module (``nb01`` ... ``nb08``) has ``check_<name>(fn)``; ``check_part`` runs a
+Each notebook's module (``nb00`` to ``nb08``; notebook 07 has none) has ``check_<name>(fn)``; ``check_part`` runs a
 learner's part inside the real engine against HF. Checkers compare against tplab or HF on fixed
 inputs and say what looks wrong; they never print the solution. ``show_solution(name)`` does,
 for when you are stuck (the reference solutions are in ``tplab.exercises.solutions``).

@@ -21,9 +21,9 @@ from tplab import golden
 from tplab.engine.config import EngineConfig
 from tplab.engine.data_parallel import in_prompt_order
 from tplab.engine.sampling import SamplingParams
-from tplab.exercises import ExerciseResult
+from tplab.exercises import FORGOT_RETURN, ExerciseResult
 from tplab.exercises.exchange_watch import CASES, E, TOP_K, WORLD, inputs, run
-from tplab.exercises.in_engine import NEW_TOKENS, checked, kept_ranks
+from tplab.exercises.in_engine import NEW_TOKENS, checked, first_diff, hf_reference, kept_ranks
 from tplab.exercises.watchdog import bound_for, call_bounded
 
 PER_RANK = E // WORLD
@@ -33,15 +33,9 @@ SHARES = [[[0, 1], [2]], [[0], []]]        # two rounds: both DP ranks busy, the
 
 @functools.lru_cache(maxsize=1)
 def reference() -> dict:
-    """HF's activations for the first prompt and greedy tokens for every prompt, on the shipped MoE model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """HF on the shipped MoE model: ``PROMPTS`` (``in_engine.hf_reference``)."""
     from tplab.models import tiny_moe
-    model_dir = tiny_moe()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    return {"model": str(model_dir), "prompts": prompts, "tokens": golden.hf_greedy_tokens(hf, prompts, NEW_TOKENS),
-            "acts": golden.hf_activations(hf, prompts[0])}
+    return hf_reference(tiny_moe(), PROMPTS)
 
 
 def true_traffic(case: int) -> list[list[int]]:
@@ -56,7 +50,7 @@ def _segments(rows: int, sizes: list[int]) -> list[slice]:
 
 def _shape_problem(got, rank: int, case: int) -> str | None:
     if got is None:
-        return "returned None: did you forget `return`?"
+        return FORGOT_RETURN
     if not (isinstance(got, tuple) and len(got) == 4):
         return f"returned {type(got).__name__}: return the four values (received, local, order, traffic)"
     received, local, order, traffic = got
@@ -96,20 +90,20 @@ def _sender_token(row: torch.Tensor) -> tuple[int, int] | None:
 def _received_problem(got: list, case: int) -> str | None:
     """Rank j's rows: from each source in rank order, the pairs routed to j's experts, each with its local id."""
     for j, (received, local, _, _) in enumerate(got):
-        rows, own = sum(row[j] for row in true_traffic(case)), CASES[case][j] * TOP_K
-        if received.shape[0] != rows:
+        expected, own = sum(row[j] for row in true_traffic(case)), CASES[case][j] * TOP_K
+        if received.shape[0] != expected:
             kept = " (every pair of its own: nothing was exchanged? x's rows go to the ranks by all_to_all)" \
-                if received.shape[0] == own != rows else ""
+                if received.shape[0] == own != expected else ""
             return (f"rank {j} received {received.shape[0]} rows{kept}, but the ranks' pairs routed to its experts "
-                    f"{j * PER_RANK} .. {(j + 1) * PER_RANK - 1} are {rows}")
+                    f"{j * PER_RANK} .. {(j + 1) * PER_RANK - 1} are {expected}")
         for s, seg in enumerate(_segments(received.shape[0], [row[j] for row in true_traffic(case)])):
             ids = inputs(case, s)[1]
             want = sorted((t, int(e)) for t in range(ids.shape[0]) for e in ids[t] if int(e) // PER_RANK == j)
-            rows = [_sender_token(r) for r in received[seg]]
-            if any(r is None or r[0] != s for r in rows):
+            senders = [_sender_token(r) for r in received[seg]]
+            if any(r is None or r[0] != s for r in senders):
                 return (f"rank {j} received rows from rank {s} that rank {s} does not hold as tokens, or in the place "
                         "of another rank's: send x's rows of the pairs (x[order // k]), grouped by destination rank")
-            tokens, ids_given = [r[1] for r in rows], [int(n) for n in local[seg]]
+            tokens, ids_given = [r[1] for r in senders], [int(n) for n in local[seg]]
             if want and j > 0 and sorted(zip(tokens, ids_given)) == want:
                 return (f"rank {j}'s local ids are the global expert ids {sorted(set(ids_given))}: global expert ids "
                         f"used as local ones. Rank {j} holds experts {j * PER_RANK} .. {(j + 1) * PER_RANK - 1} at local "
@@ -182,7 +176,7 @@ def combine_problem(per_rank: list[dict]) -> str | None:
 def _combined_problem(got, case: int, rank: int) -> str | None:
     tokens, close = CASES[case][rank], lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-3)
     if got is None:
-        return "returned None: did you forget `return`?"
+        return FORGOT_RETURN
     if not isinstance(got, torch.Tensor) or got.dim() != 2:
         return f"returned {type(got).__name__}: return the combined outputs, a (T_r, H) tensor"
     if got.shape[0] == tokens * TOP_K and tokens:
@@ -219,11 +213,10 @@ def serve_rounds(cfg: EngineConfig, prompts: list, shares: list) -> list:
 def _verdict(name: str, acts: list, rounds: list) -> ExerciseResult:
     ref, where = reference(), f"inside the engine at DP {WORLD} with expert parallelism"
     for rank, a in enumerate(acts):
-        rows = golden.compare({n: ref["acts"][n] for n in a}, a)
-        first = golden.first_divergence(rows)
-        if first:
-            return ExerciseResult(name, False, f"{where}, {first} is the first sublayer that differs from HF on DP rank "
-                                  f"{rank}; everything before it matches")
+        diff = first_diff(ref["acts"], a)
+        if diff:
+            return ExerciseResult(name, False, f"{where}, {diff[0]} is the first sublayer that differs from HF on DP "
+                                  f"rank {rank}: it {diff[1]}; everything before it matches")
     for k, share in enumerate(SHARES):
         got = in_prompt_order([r[k] for r in rounds], share)
         if got != ref["tokens"][:len(got)]:

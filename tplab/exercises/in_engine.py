@@ -30,17 +30,23 @@ WORKLOAD = [PROMPTS[0] + " girl", PROMPTS[0] + " boy", PROMPTS[0] + " dog", PROM
 WORKLOAD_ENGINE = dict(block_size=4, num_kv_blocks=14, max_num_seqs=4, enable_prefix_caching=True)
 NEW_TOKENS = 12
 
+
+def hf_reference(model_dir, texts: list[str], workload: list[str] = ()) -> dict:
+    """HF's own model on ``model_dir``: ``texts`` tokenized ("prompts"), HF's greedy tokens for each, its
+    activations for the first; the same prompts and tokens for ``workload``, if any."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts, more = ([tokenizer.encode(t) for t in group] for group in (texts, workload))
+    return {"model": str(model_dir), "prompts": prompts, "tokens": hf_greedy_tokens(hf, prompts, NEW_TOKENS),
+            "acts": hf_activations(hf, prompts[0]), "workload": more,
+            "workload_tokens": hf_greedy_tokens(hf, more, NEW_TOKENS) if more else []}
+
+
 @functools.lru_cache(maxsize=1)
 def reference() -> dict:
-    """HF's activations for the first prompt and greedy tokens for every prompt, on the shipped model."""
-    from transformers import AutoTokenizer, Qwen2ForCausalLM
-    model_dir = tiny_stories()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    hf = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts, workload = ([tokenizer.encode(p) for p in texts] for texts in (PROMPTS, WORKLOAD))
-    tokens, workload_tokens = (hf_greedy_tokens(hf, ps, NEW_TOKENS) for ps in (prompts, workload))
-    return {"model": str(model_dir), "prompts": prompts, "tokens": tokens, "acts": hf_activations(hf, prompts[0]),
-            "workload": workload, "workload_tokens": workload_tokens}
+    """HF on the shipped model: ``PROMPTS`` and ``WORKLOAD`` (``hf_reference``)."""
+    return hf_reference(tiny_stories(), PROMPTS, WORKLOAD)
 
 
 def checked(obj):
@@ -98,7 +104,7 @@ def first_diff(ref: dict, acts: dict) -> tuple[str, str] | None:
     return None
 
 
-def worst(ref: dict, acts: dict) -> float:
+def worst_share(ref: dict, acts: dict) -> float:
     """``golden.worst`` of ``acts`` against ``ref`` (those in ``acts``): the largest share of its bound any reaches."""
     return golden.worst(golden.compare({n: r for n, r in ref.items() if n in acts}, acts))
 

@@ -3,7 +3,7 @@ known inputs, and its weights and outputs compared with the right answer and wit
 mistake (no all-reduce, reduced twice, averaged, bias on every rank, the wrong dimension, ids left
 unmasked, a KV head not replicated, no all-gather), so the checker can name the mistake.
 
-``SPECS[name](tp)`` describes the probe of part ``name``; ``run_probe`` runs in each rank (or in this
+``SPECS[name]()`` describes the probe of part ``name``; ``run_probe`` runs in each rank (or in this
 process at TP 1); ``DIAGNOSE[name]`` reads every rank's result.
 """
 from dataclasses import dataclass
@@ -56,19 +56,19 @@ def _randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def row_spec(tp):
+def row_spec():
     w, b = _randn(E, I, seed=1), _randn(E, seed=2)
     return Spec((I, E), {"bias": True}, [("weight", w, None), ("bias", b, None)], _randn(3, I, seed=3), True,
                 "the (T, output_size) output, the bias already added in it (once)")
 
 
-def gate_up_spec(tp):
+def gate_up_spec():
     g, u = _randn(I, E, seed=4), _randn(I, E, seed=5)
     return Spec((E, [I, I]), {"bias": False}, [("weight", g, 0), ("weight", u, 1)], _randn(3, E, seed=6),
                 returns="the (T, sum(output_sizes) / tp) output: this rank's gate columns, then its up columns")
 
 
-def qkv_spec(tp):
+def qkv_spec():
     q, k, v = _randn(H * D, E, seed=7), _randn(H_KV * D, E, seed=8), _randn(H_KV * D, E, seed=9)
     bq, bk, bv = _randn(H * D, seed=10), _randn(H_KV * D, seed=11), _randn(H_KV * D, seed=12)
     weights = [("weight", q, "q"), ("weight", k, "k"), ("weight", v, "v"), ("bias", bq, "q"), ("bias", bk, "k"),
@@ -77,12 +77,12 @@ def qkv_spec(tp):
                 returns="the one (T, q_size + 2 * kv_size) output, [q | k | v]: the engine splits it")
 
 
-def embedding_spec(tp):
+def embedding_spec():
     ids = torch.cat([torch.arange(V), torch.tensor([V - 1, 0, 5])])          # every id, a few repeated
     return Spec((V, E), {}, [("weight", _randn(V, E, seed=14), None)], ids, returns="the (T, E) embeddings")
 
 
-def lm_head_spec(tp):
+def lm_head_spec():
     return Spec((V, E), {}, [("weight", _randn(V, E, seed=15), None)], _randn(3, E, seed=16),
                 returns="the (T, vocab_size) logits, every rank's columns gathered")
 
@@ -120,7 +120,7 @@ def run_probe(impl, spec: Spec, tp_rank: int, tp_size: int, forward: bool = True
 def probe_in_rank(impl, name: str, tp_size: int, forward: bool = True) -> dict:
     """Inside a rank of a process group: the probe of part ``name`` for this rank."""
     import torch.distributed as dist
-    return run_probe(impl, SPECS[name](tp_size), dist.get_rank(), tp_size, forward)
+    return run_probe(impl, SPECS[name](), dist.get_rank(), tp_size, forward)
 
 
 def close(a, b) -> bool:

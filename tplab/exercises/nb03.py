@@ -7,7 +7,9 @@ inputs, including shapes where a wrong layout broadcasts without an error (T == 
 """
 import torch
 
+from tplab.bugs.rope import no_rope_apply, rope_cos_sin_axis_apply, rope_layout_apply
 from tplab.exercises import FORGOT_RETURN, run_checker
+from tplab.layers.rotary import rotate_half
 
 # (T, H, D): a general prefill, T == H (a wrong axis still broadcasts), one decode token, one head
 CASES = [(5, 3, 8), (4, 4, 8), (1, 2, 16), (6, 1, 8)]
@@ -30,28 +32,20 @@ def hf_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out[0].transpose(0, 1)                                    # (T, H, D)
 
 
-
-def _rotate_pairs(x):                                                # interleaved: (x0, x1) -> (-x1, x0)
-    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _known_mistakes(x, cos, sin):
-    """name -> (what it computes, what to tell the learner)."""
-    c, s = cos[:, None, :], sin[:, None, :]
+    """name -> (what it computes, what to tell the learner): the ``rope`` bugs' rotations of x, and a sign."""
+    def as_bug(apply_rope):                                          # a bug rotates (q, k): x as both
+        return apply_rope(x, x, cos, sin)[0]
     mistakes = {
-        "no rotation": (x, "returned x unchanged: no rotation at all (the `no_rope` bug)"),
-        "interleaved": (x * c + _rotate_pairs(x) * s,
+        "no rotation": (as_bug(no_rope_apply), "returned x unchanged: no rotation at all (the `no_rope` bug)"),
+        "interleaved": (as_bug(rope_layout_apply),
                         "rotates interleaved pairs (x0, x1), (x2, x3), ...; HF's table is cat(freqs, freqs), "
                         "which pairs x_i with x_{i + D/2} (rotate_half): the `rope_layout` bug"),
-        "sign": (x * c - _rotate_half(x) * s, "rotates the wrong way: the sign of the sin term is flipped"),
+        "sign": (x * cos[:, None, :] - rotate_half(x) * sin[:, None, :],
+                 "rotates the wrong way: the sign of the sin term is flipped"),
     }
     if x.shape[0] == x.shape[1]:                                     # T == H: (T, D) broadcasts as (1, T, D)
-        mistakes["heads axis"] = (x * cos + _rotate_half(x) * sin,
+        mistakes["heads axis"] = (as_bug(rope_cos_sin_axis_apply),
                                   "cos/sin (T, D) broadcast against (T, H, D) as (1, T, D), i.e. along the "
                                   "heads axis, not the tokens: give them a head axis, cos[:, None, :]")
     return mistakes

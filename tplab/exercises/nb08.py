@@ -124,8 +124,8 @@ def _problem(got, logits, hf_w, hf_ids, top_k: int, renormalize: bool) -> str | 
     if w.dtype != ref_w.dtype:
         return (f"weights in {w.dtype}, but the logits are {logits.dtype}: take the softmax in fp32, then cast the "
                 "weights back to the logits' dtype (.to(router_logits.dtype)), as HF does")
-    exact = torch.equal(w, ref_w) if logits.dtype != torch.float32 else torch.allclose(w, ref_w, rtol=1e-6, atol=1e-7)
-    if exact:
+    matches = torch.equal(w, ref_w) if logits.dtype != torch.float32 else torch.allclose(w, ref_w, rtol=1e-6, atol=1e-7)
+    if matches:
         return None
     why = _mistake(w, logits, ids, renormalize)
     if not why and logits.dtype == torch.bfloat16:

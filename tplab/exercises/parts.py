@@ -26,7 +26,7 @@ from tplab.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_ma
                                       own_code, sp_region_probe, watchdog)
 from tplab.exercises.layer_diagnoses import DIAGNOSE
 from tplab.exercises.in_engine import (NEW_TOKENS, aborted_because, engine_acts, engine_config, first_diff, kept_ranks,
-                                      reference, serve, worst)
+                                      reference, serve, worst_share)
 from tplab.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
 from tplab.exercises.watchdog import DidNotReturn, call_bounded
 
@@ -82,7 +82,7 @@ def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
         return ExerciseResult(name, False, f"{where}: {error}")
     aborted = aborted_because(error, group)
     if aborted:
-        hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in aborted)
+        hint = _hints(name, aborted)
         return ExerciseResult(name, False, f"{where}, rank {error.rank} was aborted by gloo: {aborted}{hint}")
     if isinstance(error, RankError):
         last = error.remote_traceback.strip().splitlines()[-1] if error.remote_traceback else str(error)
@@ -91,7 +91,7 @@ def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
             return ExerciseResult(name, False, f"{where}, rank {error.rank}: {returned[1]}")
         if last.startswith("NotImplementedError") and learner_line(impl, error.remote_traceback):
             return ExerciseResult(name, None, NOT_DONE)
-        hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in last)
+        hint = _hints(name, last)
         return ExerciseResult(name, False, f"{where}, rank {error.rank} raised {last}"
                                            f"{learner_line(impl, error.remote_traceback)}{hint}")
     if isinstance(error, TimeoutError):
@@ -99,9 +99,14 @@ def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
                               "collective that not every rank reaches waits forever (e.g. an all_reduce inside "
                               "`if tp_rank == 0:`, or a rank that returns before it)")
     text = "".join(traceback.format_exception(error))
-    hint = "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in str(error))
+    hint = _hints(name, str(error))
     return ExerciseResult(name, False, f"{where}: raised {type(error).__name__}: {error}"
                                        f"{learner_line(impl, text)}{hint}")
+
+
+def _hints(name: str, text: str) -> str:
+    """The ``HINTS`` for part ``name`` whose words are in ``text``, each as ". Hint: ..."."""
+    return "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in text)
 
 
 def _describe_diffs(tp, per_rank) -> str | None:
@@ -133,9 +138,9 @@ def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None
     if name not in SPECS:
         return None
     for forward in (False, True):                     # the loaded weights first, then the output
-        results = [call_bounded(bound, run_probe, impl, SPECS[name](1), 0, 1, forward)] if group is None else \
+        results = [call_bounded(bound, run_probe, impl, SPECS[name](), 0, 1, forward)] if group is None else \
             group.run(call_bounded, (bound, probe_in_rank, impl, name, tp, forward), timeout=timeout)
-        ok, why = DIAGNOSE[name](SPECS[name](tp), results, tp)
+        ok, why = DIAGNOSE[name](SPECS[name](), results, tp)
         if not ok:
             return f"the layer alone at TP {tp}, {why}" if tp > 1 else f"the layer alone at TP 1: " \
                                                                        f"{why.removeprefix('rank 0: ')}"
@@ -178,7 +183,7 @@ def _verdict(name, parts, tp, acts1, acts, tokens, want, stats) -> ExerciseResul
         return ExerciseResult(name, False, f"the tokens are right, but the workload should have preempted and hit "
                               f"the prefix cache: {stats['num_preemptions']} preemptions, "
                               f"{stats['prefix_cache_hit_blocks']} prefix-cache hit blocks")
-    most = max(worst(ref["acts"], a) for a in [*acts1, *acts])
+    most = max(worst_share(ref["acts"], a) for a in [*acts1, *acts])
     served = (f", {stats['num_preemptions']} preemption(s) and {stats['prefix_cache_hit_blocks']} prefix-cache hit "
               "blocks on the way" if "block_manager" in parts else "")
     return ExerciseResult(name, True, f"inside the engine every sublayer is within its bound of HF (tplab.tolerance) "
@@ -226,7 +231,7 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
     aside = (f" (notebook 07's {', '.join(nb07)}: judged there, with sequence / pipeline parallelism on)" if nb07
              else "") + (f" (notebook 08's {', '.join(nb08)}: judged there, with data parallelism on)" if nb08 else "")
     missing = [p for p in ("embedding", "qkv_linear", "attention", "row_linear", "gate_up_linear", "lm_head",
-                           "block_manager") if p not in parts]
+                           "block_manager") if p not in parts]             # notebook 06's parts, in the model's order
     stubs = [p for p, impl in parts.items() if _is_stub(impl, p)]
     if not parts:
         return ExerciseResult(name, None, "not attempted yet: write the part exercises (notebooks 02, 04, 05 and "
@@ -246,7 +251,7 @@ def _is_stub(impl, name) -> bool:
     """Whether ``impl`` is still the exercise's stub: probing it raises its own NotImplementedError."""
     try:
         if name in SPECS:
-            call_bounded(None, run_probe, impl, SPECS[name](1), 0, 1)
+            call_bounded(None, run_probe, impl, SPECS[name](), 0, 1)
         elif name in LOCAL_PROBES:
             call_bounded(None, LOCAL_PROBES[name].run, impl)
     except Exception as e:

@@ -15,7 +15,8 @@ import cloudpickle
 
 from tplab.engine.sampling import SamplingParams
 from tplab.exercises import ExerciseResult, boundary_probe
-from tplab.exercises.in_engine import NEW_TOKENS, engine_config, first_diff, kept_ranks, reference, serve_here, worst
+from tplab.exercises.in_engine import (NEW_TOKENS, engine_config, first_diff, kept_ranks, reference, serve_here,
+                                       worst_share)
 from tplab.exercises.watchdog import DidNotReturn, bound_for, call_bounded
 from tplab.golden import stage_activations
 
@@ -84,7 +85,7 @@ def _verdict(tp, acts, tokens) -> ExerciseResult:
     return ExerciseResult("pipeline_stage", True, f"the stages split {len(CASES)} (layers, stages) cases right, the "
                           f"boundary carries (hidden, residual) to the right rank, and inside the engine at TP {tp} x PP "
                           f"{PP} every sublayer is within its bound of HF (tplab.tolerance; at most "
-                          f"{worst(ref['acts'], merged):.0e} of the bound) and {len(tokens)} x {NEW_TOKENS} greedy "
+                          f"{worst_share(ref['acts'], merged):.0e} of the bound) and {len(tokens)} x {NEW_TOKENS} greedy "
                           "tokens equal HF's")
 
 

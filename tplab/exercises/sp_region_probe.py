@@ -120,7 +120,7 @@ def _check_add(got, name, partials, residual, rank, tp, num_tokens) -> str | Non
     return f"{where}{shape}: {why}"
 
 
-def _check_norm_gather(got, partials, residual, weight, rank, tp, num_tokens) -> str | None:
+def _check_norm_gather(got, residual, weight, rank, tp, num_tokens) -> str | None:
     norm = CountingNorm(weight)
     want, x = norm(residual), rows(residual, rank, tp)
     where = f"rank {rank}, T = {num_tokens} at TP {tp}: norm_gather"
@@ -208,7 +208,7 @@ def diagnose(results: list[list[dict]], tp: int) -> tuple[bool, str]:
                                f"[r * per_rank, (r + 1) * per_rank) of the tokens padded to a multiple of {tp}")
             why = _check_add(got, "add_first", partials, residual, rank, tp, num_tokens) or \
                 _check_add(got, "add", partials, residual, rank, tp, num_tokens) or \
-                _check_norm_gather(got, partials, residual, weight, rank, tp, num_tokens)
+                _check_norm_gather(got, residual, weight, rank, tp, num_tokens)
             if why:
                 return False, why
     why = _collective_problem(results, tp)
