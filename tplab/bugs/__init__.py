@@ -1,13 +1,13 @@
 """The pitfalls of a student's TP implementation, each a drop-in replacement for one part of the engine.
 
-``LLM(..., bugs=["mask_mul_inf"])`` builds the engine with these parts swapped in; the engine
-itself has no ``if bug:`` branches. Each replacement's docstring says where its pitfall comes from: the
-review notes it quotes, or the real SP, PP, MoE or CUDA-graph code it stands for. A bug replaces fields of
-``tplab.Parts`` (``tplab.engine.parts.FIELDS``); bugs that replace different fields combine. ``tplab.engine.parts``, the one place where parts are resolved, finds
-them here by name (``BUGS``) when an engine asks for one. By area: ``attention``, ``rope``, ``sharding``, ``positions``,
-``loading``, ``sequence_parallel`` and ``pipeline`` (notebook 07's: pitfalls of real SP and PP code rather than of
-the review notes), ``moe`` (notebook 08's: experts spread over ranks), ``graphs`` (a CUDA graph's replay reading
-stale inputs).
+``LLM(..., bugs=["mask_mul_inf"])`` builds the engine with these parts swapped in; the engine itself has no
+``if bug:`` branches. Each replacement's docstring says where its pitfall comes from: the review notes it
+quotes, or the real SP, PP, MoE or CUDA-graph code it stands for. A bug replaces fields of ``tplab.Parts``
+(``tplab.engine.parts.FIELDS``); bugs that replace different fields combine. ``tplab.engine.parts``, the one
+place where parts are resolved, finds them here by name (``BUGS``) when an engine asks for one. By area:
+``attention``, ``rope``, ``sharding``, ``positions``, ``loading``, ``sequence_parallel`` and ``pipeline``
+(notebook 07's: pitfalls of real SP and PP code rather than of the review notes), ``moe`` (notebook 08's:
+experts spread over ranks), ``graphs`` (a CUDA graph's replay reading stale inputs).
 """
 from tplab.bugs.attention import RepeatedKVAttention, mask_mul_inf_attend, no_mask_with_cache_attend
 from tplab.bugs.graphs import StaleInputsDecode

@@ -85,8 +85,8 @@ def _verdict(tp, acts, tokens) -> ExerciseResult:
     return ExerciseResult("pipeline_stage", True, f"the stages split {len(CASES)} (layers, stages) cases right, the "
                           f"boundary carries (hidden, residual) to the right rank, and inside the engine at TP {tp} x PP "
                           f"{PP} every sublayer is within its bound of HF (tplab.tolerance; at most "
-                          f"{worst_share(ref['acts'], merged):.0e} of the bound) and {len(tokens)} x {NEW_TOKENS} greedy "
-                          "tokens equal HF's")
+                          f"{worst_share(ref['acts'], merged):.0e} of the bound) and {len(tokens)} x {NEW_TOKENS} "
+                          "greedy tokens equal HF's")
 
 
 def judge(impl, tp: int, timeout: float, on_error) -> ExerciseResult:
