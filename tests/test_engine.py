@@ -40,6 +40,12 @@ def test_bad_llm_arguments(checkpoint, kwargs, msg):
         LLM(checkpoint("gqa"), **kwargs)
 
 
+def test_a_file_of_the_checkpoint_is_refused_with_its_folder(checkpoint):
+    folder = checkpoint("gqa")
+    with pytest.raises(FileNotFoundError, match=f"config.json is a file: pass the checkpoint's folder, {folder}$"):
+        LLM(folder / "config.json")
+
+
 @pytest.mark.parametrize("prompts,params,msg", [
     ([[1, 2], []], SamplingParams(), r"prompt 1 is empty"),
     ([[1, 256, 7]], SamplingParams(), r"prompt 0 has token id\(s\) \[256\] outside the vocabulary \[0, 256\)"),
@@ -47,6 +53,11 @@ def test_bad_llm_arguments(checkpoint, kwargs, msg):
     ([[1] * 250], SamplingParams(max_tokens=10), r"250 tokens \+ max_tokens 10 = 260 > max_position_embeddings 256"),
     (["hello"], SamplingParams(), r"has no tokenizer: pass prompts as lists of token ids"),
     ([[1], [2]], [SamplingParams()] * 3, r"3 SamplingParams for 2 prompts"),
+    ([[1.7, 2.2]], SamplingParams(), r"prompt 0: a prompt is a string or a list of int token ids, got float 1.7"),
+    ([b"hello"], SamplingParams(), r"prompt 0: .* got bytes b'hello'"),
+    ([[True, 2]], SamplingParams(), r"got bool True"),
+    ([[1, 2]], 32, r"sampling_params must be a SamplingParams or a list of them, one per prompt; got int 32"),
+    ([[1], [2]], [SamplingParams(), None], r"sampling_params must be a SamplingParams or a list of them"),
 ])
 def test_bad_prompts_are_refused(llm, prompts, params, msg):
     with pytest.raises(ValueError, match=msg):
@@ -55,14 +66,36 @@ def test_bad_prompts_are_refused(llm, prompts, params, msg):
 
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(max_tokens=0), "max_tokens must be a positive int"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(max_tokens=True), "max_tokens must be a positive int, got True"),
+    (dict(temperature=-0.5), "temperature must be a number >= 0"),
+    (dict(temperature="0.7"), "temperature must be a number >= 0"),
+    (dict(temperature=1e-40), "too small to divide the logits by"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=None), r"top_p must be a number in \(0, 1\]"),
     (dict(top_k=0), "top_k must be -1"),
+    (dict(top_k=True), "top_k must be -1"),
+    (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+    (dict(seed=2 ** 70), r"seed must be None or an int"),
 ])
 def test_bad_sampling_params(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_changed_after_they_were_made_are_checked_by_generate(llm):
+    params = SamplingParams()
+    params.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens must be a positive int, got 0"):
+        llm.generate([[1, 2]], params)
+
+
+def test_prompts_as_tuples_arrays_and_tensors_are_token_ids(llm):
+    import numpy as np
+    import torch
+    want = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+    for prompts in ((1, 2, 3), np.array([1, 2, 3]), [np.int64(1), np.int64(2), np.int64(3)], torch.tensor([[1, 2, 3]])):
+        assert llm.generate(prompts, SamplingParams(max_tokens=2))[0].token_ids == want, prompts
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):

@@ -75,6 +75,27 @@ def test_finite_check_in_process_names_the_first_bad_sublayer(checkpoint):
             llm.generate([[1, 2, 3]])
 
 
+def test_a_generate_that_raised_in_process_leaves_nothing_for_the_next_one(checkpoint):
+    """At TP 1 the engine lives on after an error: the failed call's requests must not stay queued (the next
+    call would run them first, or fail on them again) nor keep their KV blocks."""
+    from tplab.kernels.attend import sdpa_attend
+    calls = []
+
+    def fails_once_decoding(*args, **kwargs):              # an attention part that raises mid-generate, once
+        calls.append(1)
+        if len(calls) == 10:
+            raise RuntimeError("a learner's attention fails on call 10")
+        return sdpa_attend(*args, **kwargs)
+    with LLM(checkpoint("gqa"), parts={"attend": fails_once_decoding}) as llm:
+        with pytest.raises(RuntimeError, match="fails on call 10"):
+            llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=20, ignore_eos=True))
+        assert llm.stats()["kv_blocks_in_use"] == 0
+        before = len(calls)
+        out = llm.generate([[4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out) == 1 and len(out[0].token_ids) == 3
+        assert len(calls) - before == 3 * llm.config.hf_config.num_hidden_layers, "the failed call's requests ran"
+
+
 def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint):
     llm = LLM(slow_checkpoint, tensor_parallel_size=2, timeout=120)
     pids = rank_pids(llm)
@@ -140,6 +161,9 @@ def test_process_that_exits_without_shutdown_leaves_no_orphans(checkpoint, tmp_p
     (dict(max_num_seqs=0), r"max_num_seqs must be a positive int"),
     (dict(block_size=-4), r"block_size must be a positive int"),
     (dict(num_kv_blocks=0), r"num_kv_blocks must be a positive int"),
+    (dict(enable_prefix_caching="False"), r"enable_prefix_caching must be True or False, got 'False'"),
+    (dict(check_finite=1), r"check_finite must be True or False, got 1"),
+    (dict(device="cuda:99"), r"device='cuda:99', but this machine has \d+ CUDA GPU\(s\) visible: pass device='cpu'"),
 ])
 def test_bad_engine_arguments_say_what_to_change(checkpoint, kwargs, msg):
     with pytest.raises(ValueError, match=msg):

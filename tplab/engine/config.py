@@ -178,8 +178,10 @@ def _resolved(cfg: EngineConfig) -> dict:
     """The values ``cfg``'s raw settings resolve to, checked."""
     model = str(resolve_model(cfg.model))
     hf = cfg.hf_config or load_model_config(model)
-    if not isinstance(cfg.enable_expert_parallel, bool):
-        raise ValueError(f"enable_expert_parallel must be True or False, got {cfg.enable_expert_parallel!r}")
+    for name in ("enable_expert_parallel", "enable_prefix_caching", "check_finite", "compile", "onednn",
+                 "pack_weights", "few_rows_mkl", "malloc_tune"):
+        if not isinstance(getattr(cfg, name), bool):     # "False" would be true
+            raise ValueError(f"{name} must be True or False, got {getattr(cfg, name)!r}")
     check_tp_size(hf, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
     check_dp_size(hf, cfg.data_parallel_size, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
     check_pp_size(hf, cfg.pipeline_parallel_size)
@@ -189,8 +191,6 @@ def _resolved(cfg: EngineConfig) -> dict:
         raise ValueError(f"timeout must be a positive number of seconds, got {cfg.timeout!r}")
     for name in ("block_size", "max_num_seqs"):
         _positive_int(name, getattr(cfg, name))
-    if not isinstance(cfg.compile, bool):
-        raise ValueError(f"compile must be True or False, got {cfg.compile!r}")
     for name in ("num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
         if getattr(cfg, name) is not None:
             _positive_int(name, getattr(cfg, name))
@@ -282,6 +282,10 @@ def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts, dp_si
 
 def _device(cfg: EngineConfig, backend: str) -> str:
     if cfg.device is not None:
+        asked = torch.device(cfg.device)
+        if asked.type == "cuda" and (asked.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device={cfg.device!r}, but this machine has {torch.cuda.device_count()} CUDA GPU(s) "
+                             "visible: pass device='cpu', or leave device unset to use a GPU where there is one")
         return str(cfg.device)
     if cfg.world_size == 1 and not dist.is_initialized():
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,6 +6,7 @@ same engine; this process only tokenizes, checks input and collects rank 0's ans
 splits the prompts between the DP ranks and puts every DP rank's answers back in prompt order). Under
 ``torchrun`` (a process group already initialised) every rank runs the engine in-process.
 """
+import numbers
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,11 @@ class RequestOutput:
     text: str | None           # decoded generated tokens, where the checkpoint has a tokenizer
     logprobs: list[float]      # log-softmax of each generated token under the model
     finish_reason: str         # "stop" (end-of-sequence token) or "length"
+
+
+def _is_id(t) -> bool:
+    """A token id: an int (numpy's too), not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 def load_tokenizer(model_dir):
@@ -205,20 +211,26 @@ class LLM:
         self.shutdown()
 
     def _tokenize(self, prompts):
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = prompts.tolist() if hasattr(prompts, "tolist") else prompts     # a numpy array or a tensor
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_id(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of lists of token ids")
         texts, token_lists = [], []
         for i, p in enumerate(prompts):
+            p = p.tolist() if hasattr(p, "tolist") else p
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError(f"{self.config.model} has no tokenizer: pass prompts as lists of token ids")
                 texts.append(p)
                 token_lists.append(self.tokenizer.encode(p))
-            else:
+            elif isinstance(p, (list, tuple)) and all(map(_is_id, p)):
                 texts.append(None)
                 token_lists.append([int(t) for t in p])
+            else:
+                wrong = next((t for t in p if not _is_id(t)), p) if isinstance(p, (list, tuple)) else p
+                raise ValueError(f"prompt {i}: a prompt is a string or a list of int token ids, got "
+                                 f"{type(wrong).__name__} {wrong!r:.60}")
             if not token_lists[-1]:
                 raise ValueError(f"prompt {i} is empty: give at least one token")
         vocab = self.config.hf_config.vocab_size
@@ -232,11 +244,15 @@ class LLM:
     def _params_for(sampling_params, n):
         if sampling_params is None:
             return [SamplingParams()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if len(sampling_params) != n:
-            raise ValueError(f"{len(sampling_params)} SamplingParams for {n} prompts: give one, or one per prompt")
-        return list(sampling_params)
+        given = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else sampling_params
+        if not isinstance(given, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in given):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, one per prompt; got "
+                             f"{type(sampling_params).__name__} {sampling_params!r:.60}")
+        if len(given) != n:
+            raise ValueError(f"{len(given)} SamplingParams for {n} prompts: give one, or one per prompt")
+        for p in given:
+            p.check()                                  # a field set after it was made is checked here
+        return list(given)
 
     def _check_lengths(self, token_lists, params):
         limit = self.config.hf_config.max_position_embeddings

@@ -189,14 +189,21 @@ class LLMEngine:
         self.stages.timeline = []
         for seq in seqs:
             self.add_request(seq)
-        with torch.inference_mode():
-            while dp_any(self.has_unfinished()) if self.lockstep else self.has_unfinished():
-                for seq in self.step():
-                    self.runner.forget(seq)
-                    if bar is not None:
-                        bar.finished(seq)
-        if bar is not None:
-            bar.close()
+        try:
+            with torch.inference_mode():
+                while dp_any(self.has_unfinished()) if self.lockstep else self.has_unfinished():
+                    for seq in self.step():
+                        self.runner.forget(seq)
+                        if bar is not None:
+                            bar.finished(seq)
+        except BaseException:               # an error or Ctrl-C: nothing of this call is left for the next one
+            for scheduler in self.schedulers:
+                scheduler.abort_all()
+            self.in_flight = [None] * len(self.schedulers)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return seqs
 
     def add_request(self, seq: Sequence) -> None:

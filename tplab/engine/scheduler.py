@@ -35,6 +35,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort_all(self) -> None:
+        """Drop every unfinished sequence and free its blocks (a ``generate`` that raised or was interrupted)."""
+        for seq in [*self.running, *self.waiting]:
+            self.block_manager.free(seq)
+        self.running, self.waiting = [], deque()
+
     def schedule(self) -> list[Sequence]:
         """The sequences of the next step, each with ``num_scheduled_tokens`` set: the running ones
         (a decode token, or a prompt's next chunk), then newly admitted prompts (whole, or a first chunk)."""

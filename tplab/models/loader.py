@@ -62,6 +62,8 @@ class LoadReport:
 def checkpoint_files(model_dir) -> list[Path]:
     """The ``*.safetensors`` files of a checkpoint folder, or an error that says what is missing."""
     model_dir = Path(model_dir)
+    if model_dir.is_file():
+        raise FileNotFoundError(f"{model_dir} is a file: pass the checkpoint's folder, {model_dir.parent}")
     if not model_dir.is_dir():
         raise FileNotFoundError(f"checkpoint folder {model_dir} does not exist")
     files = sorted(model_dir.glob("*.safetensors"))
