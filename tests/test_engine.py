@@ -34,6 +34,9 @@ def test_tp_size_must_divide_intermediate_size(tmp_path):
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(dtype="float64"), r"unknown dtype 'float64'"),
     (dict(bugs=["not_a_bug"]), r"unknown bug name\(s\) \['not_a_bug'\]"),
+    (dict(bugs=True), r"bugs must be a bug's name or a list of names, got True"),
+    (dict(parts={"row_linear": 42}), r"parts: each is a class or a function, not \{'row_linear': 42\}"),
+    (dict(parts=["row_linear"]), r"parts must be a dict of field -> your class or function, got list"),
 ])
 def test_bad_llm_arguments(checkpoint, kwargs, msg):
     with pytest.raises(ValueError, match=msg):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tplab.distributed.launcher import pick_backend
-from tplab.engine.parts import Parts, resolve
+from tplab.engine.parts import Parts, bug_names, resolve
 from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
 from tplab.layers.linear import ReturnsPartialSums
@@ -198,7 +198,7 @@ def _resolved(cfg: EngineConfig) -> dict:
     if cfg.num_kv_blocks is not None and cfg.num_kv_blocks < pp:
         raise ValueError(f"num_kv_blocks={cfg.num_kv_blocks} is shared by the {pp} batches in flight under "
                          f"pipeline_parallel_size={pp}: give at least {pp}")
-    bugs = (cfg.bugs,) if isinstance(cfg.bugs, str) else tuple(cfg.bugs or ())
+    bugs = bug_names(cfg.bugs)
     parts = resolve(bugs, cfg.parts)
     check_sequence_parallel(cfg.sequence_parallel, cfg.tensor_parallel_size, parts, cfg.data_parallel_size)
     backend = dist.get_backend() if dist.is_initialized() else pick_backend(cfg.world_size, cfg.backend)

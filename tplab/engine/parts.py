@@ -76,15 +76,29 @@ def _describe(value) -> str:
     return getattr(value, "__qualname__", None) or type(value).__name__
 
 
+def bug_names(bugs) -> tuple[str, ...]:
+    """``bugs`` as given to ``LLM`` (a name, a list of names, or None) as a tuple of names."""
+    if isinstance(bugs, str):
+        return (bugs,)
+    if bugs and not (isinstance(bugs, (list, tuple)) and all(isinstance(b, str) for b in bugs)):
+        raise ValueError(f"bugs must be a bug's name or a list of names, got {bugs!r}")
+    return tuple(bugs or ())
+
+
 def resolve(bugs=(), parts=None) -> Parts:
     """tplab's parts with the named bugs and then ``parts`` (a ``Parts`` or a dict of field -> replacement)
     swapped in. Raises a ValueError naming both replacements when two of them replace the same field."""
-    names = [bugs] if isinstance(bugs, str) else list(bugs or ())
+    names = list(bug_names(bugs))
     catalogue = known_bugs() if names else {}
     unknown = [n for n in names if n not in catalogue]
     if unknown:
         raise ValueError(f"unknown bug name(s) {unknown}; known: {list(catalogue)}")
+    if not (parts is None or isinstance(parts, (Parts, dict))):
+        raise ValueError(f"parts must be a dict of field -> your class or function, got {type(parts).__name__}")
     mine = parts.replaced() if isinstance(parts, Parts) else dict(parts or {})
+    odd = {f: r for f, r in mine.items() if not callable(r)}
+    if odd:
+        raise ValueError(f"parts: each is a class or a function, not {odd!r:.120}")
     wrong = sorted(set(mine) - set(FIELDS))
     if wrong:
         raise ValueError(f"parts has unknown field(s) {wrong}; the fields of tplab.Parts are {list(FIELDS)}")
