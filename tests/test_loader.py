@@ -69,6 +69,21 @@ def test_misshaped_tensor_names_tensor_and_both_shapes(checkpoint, tmp_path):
         load_model(folder, 2, tp_rank=1)
 
 
+class RowWithoutLoader(torch.nn.Module):
+    """A row-parallel part whose sharded weight has no ``weight_loader`` (the default copies the whole tensor)."""
+
+    def __init__(self, input_size, output_size, bias=False, tp_rank=None, tp_size=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size // tp_size), requires_grad=False)
+
+
+def test_a_sharded_parameter_without_a_weight_loader_is_named_with_the_fix(checkpoint):
+    with pytest.raises(WeightShapeError, match=r"down_proj.weight in model.safetensors: expected shape \(64, 64\), "
+                                               r"found \(64, 128\) \(model.layers.0.mlp.down_proj.weight has no "
+                                               r"weight_loader.*param.weight_loader = self.weight_loader"):
+        load_model(checkpoint("gqa"), 2, tp_rank=1, parts={"row_linear": RowWithoutLoader})
+
+
 def test_config_that_disagrees_with_weights_is_an_error(checkpoint, tmp_path):
     folder = _copy(checkpoint("gqa"), tmp_path / "ckpt")
     config = json.loads((folder / "config.json").read_text())

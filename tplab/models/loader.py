@@ -166,7 +166,10 @@ def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()
                 try:
                     loader(param, LazySlice(f.get_slice(name), name, reads=reads), shard_id, *expert_id)
                 except WeightShapeError as e:
-                    raise WeightShapeError(f"{name} in {path.name}: {e} (does config.json match the weights?)") \
+                    why = (f"{param_name} has no weight_loader, so the whole tensor was copied in as it is: if this "
+                           "rank holds a shard of it, set `param.weight_loader = self.weight_loader` in its layer's "
+                           "__init__; else, " if loader is default_weight_loader else "")
+                    raise WeightShapeError(f"{name} in {path.name}: {e} ({why}does config.json match the weights?)") \
                         from None
                 seen.add(name)
     missing = sorted(expected - seen)
