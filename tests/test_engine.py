@@ -93,6 +93,11 @@ def test_sampling_params_changed_after_they_were_made_are_checked_by_generate(ll
         llm.generate([[1, 2]], params)
 
 
+def test_use_tqdm_of_another_type_is_refused(llm):
+    with pytest.raises(ValueError, match="use_tqdm must be True, False or None"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm="no")
+
+
 def test_prompts_as_tuples_arrays_and_tensors_are_token_ids(llm):
     import numpy as np
     import torch

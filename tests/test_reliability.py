@@ -163,6 +163,8 @@ def test_process_that_exits_without_shutdown_leaves_no_orphans(checkpoint, tmp_p
     (dict(num_kv_blocks=0), r"num_kv_blocks must be a positive int"),
     (dict(enable_prefix_caching="False"), r"enable_prefix_caching must be True or False, got 'False'"),
     (dict(check_finite=1), r"check_finite must be True or False, got 1"),
+    (dict(num_kv_blocks=10 ** 12), r"num_kv_blocks=1000000000000 needs [\d,]+ bytes of KV cache on each rank, more "
+                                   r"than the [\d,]+ free: lower num_kv_blocks"),
     (dict(device="cuda:99"), r"device='cuda:99', but this machine has \d+ CUDA GPU\(s\) visible: pass device='cpu'"),
 ])
 def test_bad_engine_arguments_say_what_to_change(checkpoint, kwargs, msg):

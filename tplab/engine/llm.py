@@ -113,6 +113,8 @@ class LLM:
         self._check_lengths(token_lists, params)
         if use_tqdm is None:
             use_tqdm = len(token_lists) > 1 and sys.stderr.isatty()
+        if not isinstance(use_tqdm, bool):
+            raise ValueError(f"use_tqdm must be True, False or None (a bar when stderr is a terminal), got {use_tqdm!r}")
         dp = self.config.data_parallel_size
         if dp == 1:
             results = self._call(Worker.generate, token_lists, params, bool(use_tqdm))

@@ -95,6 +95,11 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
     ``max_position_embeddings`` tokens can use, and the same on every rank."""
     pp = cfg.pipeline_parallel_size
     if cfg.num_kv_blocks is not None:       # at least pp: engine.config checks
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        if cfg.num_kv_blocks * spec.bytes_per_block() > free:
+            raise ValueError(f"num_kv_blocks={cfg.num_kv_blocks} needs {cfg.num_kv_blocks * spec.bytes_per_block():,} "
+                             f"bytes of KV cache on each rank, more than the {free:,} free: lower num_kv_blocks, or "
+                             "leave it unset to size the cache from the free memory")
         return cfg.num_kv_blocks // pp
     budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.world_size)
     if cfg.cuda_graphs and cfg.kv_cache_memory is None:        # the graphs' pool comes out of the same memory
