@@ -7,6 +7,14 @@ import torch
 MIN_TEMPERATURE = 1e-6    # below it, logits / temperature overflow to inf and the softmax is NaN
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)          # True is an int to Python, not to a user
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens, as in vLLM. ``temperature=0`` is greedy."""
@@ -22,22 +30,20 @@ class SamplingParams:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first field out of range; ``generate`` checks again (fields can change)."""
-        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)                  # noqa: E731
-        is_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)      # noqa: E731
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if not is_number(self.temperature) or not self.temperature >= 0:
+        if not _is_number(self.temperature) or not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0 (0 is greedy), got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(f"temperature {self.temperature!r} is too small to divide the logits by (they overflow "
                              f"to inf): use 0 for greedy, or at least {MIN_TEMPERATURE:g}")
-        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise ValueError(f"top_k must be -1 (all tokens) or a positive int, got {self.top_k!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if self.seed is not None and (not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64):
+        if self.seed is not None and (not _is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64):
             raise ValueError(f"seed must be None or an int a torch.Generator takes, in [-2**63, 2**64), "
                              f"got {self.seed!r}")
 
