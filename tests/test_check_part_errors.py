@@ -1,9 +1,11 @@
 """check_part's other endings: a stub is "not attempted", a missing return is named,
 the finale names the parts still stubs, and a part that raises or hangs in a rank, or calls a collective
 at TP 1 without a group, ends in a clear error."""
+import re
 import sys
 
 import cloudpickle
+import pytest
 import torch
 
 from tplab.exercises import FORGOT_RETURN, check_engine, check_part
@@ -102,3 +104,35 @@ def test_an_endless_loop_in_a_stage_is_named_not_raised_into_the_cell():
     result = check_part("pipeline_stage", LoopsOnAnOddSplit, tensor_parallel_size=1, timeout=8)
     assert result.ok is False and "did not return within" in result.message, result.message
     assert "LoopsOnAnOddSplit.__init__" in result.message, result.message
+
+
+class RaisesWhenBuilt:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("built")
+
+
+@pytest.mark.parametrize("name,impl,tp,words", [
+    ("experts", RaisesWhenBuilt, 2, "which has no experts"),
+    ("row_linear", Row(8, 4, tp_rank=0, tp_size=1), 2, "pass the class itself (e.g. MyRowParallelLinear)"),
+    ("row_linear", Row, "2", "tensor_parallel_size must be a positive int, got '2'"),
+    ("row_linear", Row, True, "tensor_parallel_size must be a positive int, got True"),
+])
+def test_what_no_check_can_judge_is_refused_before_anything_runs(name, impl, tp, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        check_part(name, impl, tensor_parallel_size=tp)
+
+
+def test_a_static_decode_part_runs_in_the_engine_it_is_checked_in():
+    """Not only on CUDA: the check turns static_decode on, so a part that cannot even be built is named."""
+    result = check_part("static_decode", RaisesWhenBuilt, tensor_parallel_size=2)
+    assert result.ok is False and "RuntimeError: built" in result.message, result.message
+
+
+class Exits(Row):
+    def forward(self, x):
+        sys.exit()
+
+
+def test_a_sys_exit_in_a_part_is_a_verdict_not_the_end_of_the_notebook():
+    result = check_part("row_linear", Exits, tensor_parallel_size=2)
+    assert result.ok is False and "SystemExit" in result.message, result.message

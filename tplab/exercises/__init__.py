@@ -31,7 +31,7 @@ def run_checker(name: str, fn, compare, bound: bool = True) -> ExerciseResult:
         ok, message = compare(bounded_calls(fn) if bound else fn)
     except DidNotReturn as e:
         return ExerciseResult(name, False, f"your {name} {e}")
-    except Exception as e:  # a learner's bug: say what it was, do not crash the notebook
+    except (Exception, SystemExit) as e:  # a learner's bug (a sys.exit too): say what it was, keep the notebook
         if is_stub_error(fn, e):
             return ExerciseResult(name, None, NOT_DONE)
         return ExerciseResult(name, False, f"raised {type(e).__name__}: {e}")

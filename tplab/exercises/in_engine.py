@@ -66,6 +66,8 @@ def engine_config(parts, tp, **settings) -> EngineConfig:
     """The shipped model's engine with ``parts`` (each checked for a missing ``return``), made here once."""
     if "sp_norm_region" in parts:                    # the region runs only under sequence parallelism
         settings = {"sequence_parallel": True, **settings}
+    if "static_decode" in parts:                     # a step at fixed shapes runs where asked for, eagerly on a CPU
+        settings = {"static_decode": True, **settings}
     return EngineConfig(model=reference()["model"], tensor_parallel_size=tp, device="cpu",
                         parts={k: checked(v) for k, v in parts.items()}, **settings)
 

@@ -170,7 +170,7 @@ def _reraise_untouched_stub(fn) -> None:
     except NotImplementedError as e:
         if is_stub_error(fn, e):
             raise
-    except Exception:        # e.g. no process group in this process
+    except (Exception, SystemExit):        # e.g. no process group in this process
         pass
 
 

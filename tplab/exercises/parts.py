@@ -23,7 +23,7 @@ import cloudpickle
 from tplab.distributed.launcher import RankError
 from tplab.engine.parts import FIELDS
 from tplab.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
-                                      own_code, sp_region_probe, watchdog)
+                                      own_code, solutions, sp_region_probe, watchdog)
 from tplab.exercises.layer_diagnoses import DIAGNOSE
 from tplab.exercises.in_engine import (NEW_TOKENS, aborted_because, engine_acts, engine_config, first_diff, kept_ranks,
                                       reference, serve, worst_share)
@@ -163,7 +163,7 @@ def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool
         acts = group.run(call_bounded, (bound, engine_acts, engine_config(parts, tp), ref["prompts"][0]),
                          timeout=timeout)
         tokens, want, stats = serve(group, parts, tp, timeout)
-    except (Exception, DidNotReturn) as e:  # the learner's code raised or looped, here or in a rank; ranks hung
+    except (Exception, DidNotReturn, SystemExit) as e:  # the learner's code raised, exited or looped; ranks hung
         return _exception_result(name, impl, e, where, group)
     return _verdict(name, parts, tp, [acts1], acts, tokens, want, stats)
 
@@ -199,8 +199,7 @@ def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 
     parallelism, whatever ``tensor_parallel_size`` says). ``.ok`` is True, False, or None for an untouched stub;
     ``.message`` names the first sublayer that differs, on which rank, and the mistake where it
     recognises one."""
-    if name not in FIELDS:
-        raise ValueError(f"no part named {name!r}; the parts are {list(FIELDS)}")
+    _check_arguments({name: impl}, tensor_parallel_size)
     if name == "pipeline_stage":                       # its own checks: layouts, the boundary, the engine at PP 2
         from tplab.exercises import pipeline_probe
         return pipeline_probe.judge(impl, tensor_parallel_size, timeout, _exception_result)
@@ -208,6 +207,23 @@ def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 
         from tplab.exercises import exchange_probe
         return exchange_probe.judge(name, impl, timeout, _exception_result)
     return judge_in_engine(name, impl, {name: impl}, tensor_parallel_size, timeout)
+
+
+def _check_arguments(parts: dict, tensor_parallel_size) -> None:
+    """Refuse, before anything runs, what no check can judge: an unknown part, ``experts`` (the shipped dense model
+    never builds it), an instance or a function where the engine builds a class, a TP size that is no size."""
+    unknown = sorted(set(parts) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"no part named {unknown}; the parts are {list(FIELDS)}")
+    if "experts" in parts:
+        raise ValueError("check_part runs the shipped dense model, which has no experts: judge an experts part in "
+                         "LLM(tplab.models.tiny_moe(), parts={'experts': ...}) against HF (notebook 08)")
+    objects = [p for p, impl in parts.items() if p in solutions.PARTS and not isinstance(impl, type)]
+    if objects:
+        raise ValueError(f"{objects[0]}: pass the class itself (e.g. {solutions.PARTS[objects[0]]}), not an instance "
+                         "or a function: the engine builds one per layer, on every rank")
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
 
 
 # Notebook 07's parts: sequence parallelism's region needs a row_linear that returns partial sums, a stage needs
@@ -222,9 +238,7 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
     ``workbook.your_parts()``) at once, in one engine at TP 1 and ``tensor_parallel_size``, against HF
     sublayer by sublayer and token for token."""
     name = "your engine"
-    unknown = sorted(set(parts) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"{unknown} are not parts; the parts are {list(FIELDS)}")
+    _check_arguments(parts, tensor_parallel_size)
     later = sorted(set(parts) & set(AFTER_TP))     # judged in notebooks 07 and 08, where SP, PP or DP is on
     parts = {k: v for k, v in parts.items() if k not in AFTER_TP}
     nb07, nb08 = [p for p in later if p not in EXCHANGE], [p for p in later if p in EXCHANGE]

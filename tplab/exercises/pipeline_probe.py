@@ -117,6 +117,6 @@ def judge(impl, tp: int, timeout: float, on_error) -> ExerciseResult:
                "after every rank has ended the first: a send or recv that waits on anything else there waits forever"
                ) if where.startswith("inside") else "A send or recv that no rank answers waits forever"
         return ExerciseResult("pipeline_stage", False, f"{where}: the ranks did not finish in time ({e}). {why}")
-    except (Exception, DidNotReturn) as e:  # the learner's code raised or looped, here or in a rank
+    except (Exception, DidNotReturn, SystemExit) as e:  # the learner's code raised, exited or looped
         return on_error("pipeline_stage", impl, e, where, group)
     return _verdict(tp, acts, tokens)
