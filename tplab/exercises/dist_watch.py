@@ -49,11 +49,14 @@ _COLLECTIVES = {"all_reduce": ("all_reduce", 0, "tensor"), "broadcast": ("broadc
                 "reduce_scatter": ("reduce_scatter", 1, "input_list"),
                 "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
                 "all_gather": ("all_gather", 1, "tensor"), "all_gather_into_tensor": ("all_gather", 1, "input_tensor"),
-                "all_to_all_single": ("all_to_all", 1, "input"), "all_to_all": ("all_to_all", 1, "input_tensor_list")}
+                "all_to_all_single": ("all_to_all", 1, "input"), "all_to_all": ("all_to_all", 1, "input_tensor_list"),
+                "reduce": ("reduce", 0, "tensor"), "all_gather_object": ("all_gather_object", 1, "obj")}
 
 
 def _nbytes(x) -> int:
-    return sum(map(_nbytes, x)) if isinstance(x, (list, tuple)) else x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(map(_nbytes, x))
+    return x.numel() * x.element_size() if hasattr(x, "element_size") else 0     # a pickled object: not counted
 
 
 class Collectives:

@@ -14,14 +14,11 @@ import cloudpickle
 import torch
 
 from tplab.distributed.launcher import RankError, RankGroup
-from tplab.distributed.parallel_state import count_collectives
 from tplab.exercises import FORGOT_RETURN, ExerciseResult, dist_watch, is_stub_error, run_checker, watchdog
 
 WORLD_SIZES = (3, 2)        # 3 first: with 2 ranks, "rank + step" and "rank - step" pick the same chunk
 BASE = 8                    # one octal digit per rank: how many times its value was summed in
 TIMEOUT_S = 60.0            # a ring whose sends and recvs do not pair up waits forever; stop it
-COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
-               "broadcast", "reduce", "all_to_all", "all_to_all_single", "all_gather_object")
 HINT_HANG = ("that never comes. Every send needs a matching recv: send to the right neighbour (rank + 1) % world, "
              "receive from the left one (rank - 1) % world, the same number of steps on every rank")
 HINT_ORDER = ("at reduce-scatter step s, send chunk (rank - s) % world and add what arrives into chunk "
@@ -36,10 +33,10 @@ def encoded_input(rank: int, world: int, n: int) -> torch.Tensor:
 
 def _in_rank(blob: bytes, case, bound_s=None):
     """In each rank: the learner's result on one case, dist.all_reduce's, and the collectives fn called.
-    ``blob`` is ``fn`` pickled by the parent and loaded here under the spies, so a cell's
-    ``from torch.distributed import all_reduce`` finds a spy too; tplab's own collectives are counted as
-    well. ``case`` is a number of elements (the encoded input) or a shape (random values); ``fn`` is
-    stopped after ``bound_s`` seconds (``watchdog``)."""
+    ``blob`` is ``fn`` pickled by the parent and loaded here under ``dist_watch.Collectives``, so a cell's
+    ``from torch.distributed import all_reduce`` is watched too, and tplab's own collectives are counted.
+    ``case`` is a number of elements (the encoded input) or a shape (random values); ``fn`` is stopped after
+    ``bound_s`` seconds (``watchdog``)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -49,22 +46,12 @@ def _in_rank(blob: bytes, case, bound_s=None):
         x = torch.randn(*case, generator=torch.Generator().manual_seed(rank))
     ref = x.clone()
     dist.all_reduce(ref)
-    used = []
-
-    def spy(name):
-        def make(real):
-            def call(*args, **kwargs):
-                used.append(f"dist.{name}")
-                return real(*args, **kwargs)            # still run it, so the other ranks do not hang
-            return call
-        return make
-    spies = {name: spy(name) for name in COLLECTIVES if hasattr(dist, name)}
-    with dist_watch.patched(spies), count_collectives() as ours:
+    with dist_watch.Collectives() as watch:
         fn = dist_watch.load(blob)
-        with watchdog.bounded(bound_s):
+        with watch.block() as seen, watchdog.bounded(bound_s):
             out = fn(x.clone())
-    used += [f"tplab's {r.op}" for r in ours if r.op not in ("send", "recv")]
-    return out, ref, sorted(set(used))
+    used = [op for op, _ in seen if op not in ("send", "recv")]       # tplab's point-to-point is allowed
+    return out, ref, used
 
 
 def _counts(value: float, i: int, world: int):
@@ -114,7 +101,7 @@ def _judge(world: int, case, per_rank) -> str | None:
     """The first thing wrong with the ranks' results on one case, or None."""
     for rank, (_, _, used) in enumerate(per_rank):
         if used:
-            return (f"rank {rank} called {used[0]}: build the all-reduce yourself from point-to-point "
+            return (f"rank {rank} called the collective {used[0]}: build the all-reduce yourself from point-to-point "
                     "messages (dist.isend / dist.recv to the ring neighbours)")
     for rank, (out, ref, _) in enumerate(per_rank):
         where = f"world size {world}, rank {rank}, x of shape {tuple(ref.shape)}"
