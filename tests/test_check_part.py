@@ -270,3 +270,38 @@ def test_the_engine_verdicts_judge_each_sublayer_by_its_bound_and_name_nan_and_s
             assert "model.layers.0.mlp is the first sublayer that differs from HF" in message and words in message, \
                 message
             assert "by inf" not in message
+
+
+class DecodeShortcut(Row):
+    """Skips the all-reduce for a lone row, as if one decode token needed none: every longer input is right."""
+    def forward(self, x):
+        return x @ self.weight.T + self.bias if x.shape[0] == 1 else super().forward(x)
+
+
+class SqueezedIds(Embedding):
+    """Squeezes the ids: one id becomes a 0-d tensor, which the mask's [:, None] cannot index."""
+    def forward(self, input_ids):
+        return super().forward(input_ids.squeeze())
+
+
+@pytest.mark.parametrize("name, impl, words", [
+    ("row_linear", DecodeShortcut, "at TP 2 on one row (a decode step of one sequence, the T == 1 that one prompt "
+                                   "alone gives), rank 0: returned its own partial sum plus the bias: no all-reduce"),
+    ("embedding", SqueezedIds, "at TP 1 on one row (a decode step of one sequence, the T == 1 that one prompt "
+                               "alone gives): raised IndexError")])
+def test_a_part_wrong_only_on_one_row_is_named(name, impl, words):
+    result = check_part(name, impl)      # the engine's TP 2 decode batches two prompts: only the probe has T == 1
+    assert result.ok is False and words in result.message, result.message
+
+
+@pytest.mark.parametrize("name", ["row_linear", "embedding", "sp_norm_region"])
+def test_a_notebook_default_dtype_of_float64_does_not_fail_a_right_part(name):
+    """The checks make their inputs with the default dtype, here and in ranks that start with float32."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        result = check_part(name, define(name)[PARTS[name]])
+        assert torch.get_default_dtype() == torch.float64                  # the notebook's, given back
+    finally:
+        torch.set_default_dtype(before)
+    assert result.ok is True, result.message

@@ -113,6 +113,9 @@ def test_folder_errors_say_what_is_wrong(checkpoint, tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type='llama'; tplab runs Qwen2"):
         EngineConfig(model=str(folder))
+    (folder / "config.json").write_text(json.dumps(config)[:-1])       # the closing brace lost in an edit
+    with pytest.raises(ValueError, match="config.json is not valid JSON .*: fix the file"):
+        EngineConfig(model=str(folder))
 
 
 def test_rope_scaling_is_refused_not_ignored(checkpoint, tmp_path):

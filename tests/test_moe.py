@@ -167,8 +167,9 @@ def test_a_wrong_experts_part_is_seen_at_the_first_moe_block(part, moe):
 def test_a_cpu_step_of_an_moe_model_holds_2048_tokens(moe):
     """A prompt cut into chunks reads every expert's weights once a chunk: on CPU an MoE model's default step is
     2048 tokens, a dense model's 512 (a Qwen2-MoE config whose every layer is dense counts as dense)."""
-    from tplab.engine.config import default_batched_tokens, load_model_config
+    from tplab.engine.config import default_batched_tokens
     from tplab.models.checkpoints import SMALL_QWEN2
+    from tplab.models.registry import load_model_config
     from transformers import Qwen2Config, Qwen2MoeConfig
     moe_config = load_model_config(moe("qwen3_moe"))
     all_dense = Qwen2MoeConfig(**{**SMALL_QWEN2, "num_experts": 8, "mlp_only_layers": [0, 1]})

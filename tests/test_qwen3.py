@@ -9,7 +9,7 @@ import torch
 
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, golden, models
-from tplab.engine.config import load_model_config
+from tplab.models.registry import load_model_config
 from tplab.engine.probe import capture, load_model, probe
 from tplab.models.registry import MODELS
 

@@ -9,7 +9,8 @@ import torch
 
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, models
-from tplab.engine.config import load_model_config, resolve_static_decode
+from tplab.engine.config import resolve_static_decode
+from tplab.models.registry import load_model_config
 from tplab.engine.parts import Parts
 from tplab.engine.static_decode import bucket_of, buckets
 

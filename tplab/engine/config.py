@@ -1,7 +1,6 @@
 """Checkpoint and engine settings, resolved once into a frozen ``EngineConfig`` and validated up front,
 so that bad input fails with a message that says what to change, before any rank starts."""
 import functools
-import json
 import os
 import sys
 from dataclasses import dataclass, field, fields, replace
@@ -17,10 +16,8 @@ from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
 from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.moe import FusedMoE
-from tplab.layers.rotary import check_rope_supported
-from tplab.models.loader import checkpoint_files
 from tplab.models.qwen2 import head_dim_of
-from tplab.models.registry import MODELS, check_dp_size, check_tp_size, has_experts, supported
+from tplab.models.registry import check_dp_size, check_tp_size, has_experts, load_model_config
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -37,29 +34,6 @@ def resolve_model(model) -> Path:
                                 "downloaded: pass the folder of a downloaded checkpoint, or unset HF_HUB_OFFLINE")
     from huggingface_hub import snapshot_download
     return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
-
-
-def load_model_config(model_dir):
-    """The checkpoint's HF config (``Qwen2Config``, ``Qwen3Config``, ``Qwen2MoeConfig`` or ``Qwen3MoeConfig``),
-    after checking the folder holds a safetensors checkpoint of a ``model_type`` tplab serves
-    (``tplab.models.registry``)."""
-    from transformers import AutoConfig
-
-    model_dir = Path(model_dir)
-    checkpoint_files(model_dir)  # folder exists and has safetensors
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json")
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type not in MODELS:
-        raise ValueError(f"{config_file} has model_type={model_type!r}; tplab runs Qwen2, Qwen3, Qwen2-MoE and "
-                         f"Qwen3-MoE checkpoints (model_type {supported()}, e.g. Qwen2.5-0.5B-Instruct, Qwen3-0.6B, "
-                         "Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B): pass the folder of one of those")
-    config = AutoConfig.from_pretrained(model_dir)
-    check_rope_supported(config)
-    if getattr(config, "use_sliding_window", False):
-        raise NotImplementedError("use_sliding_window=True is not implemented in tplab; set it to false")
-    return config
 
 
 def check_pp_size(config, pp_size) -> None:

@@ -5,6 +5,10 @@ learner's part inside the real engine against HF. Checkers compare against tplab
 inputs and say what looks wrong; they never print the solution. ``show_solution(name)`` does,
 for when you are stuck (the reference solutions are in ``tplab.exercises.solutions``).
 """
+import contextlib
+
+import torch
+
 from tplab.exercises import solutions
 from tplab.exercises.watchdog import DidNotReturn, bounded_calls
 
@@ -23,12 +27,26 @@ class ExerciseResult:
         return f"{self.name}: {mark} | {self.message}"
 
 
+@contextlib.contextmanager
+def float32_default():
+    """The default dtype float32 meanwhile: the checks make their inputs with it, here and in their ranks (which
+    start with it), for the shipped float32 model; a notebook's ``torch.set_default_dtype`` must not change a
+    verdict."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def run_checker(name: str, fn, compare, bound: bool = True) -> ExerciseResult:
     """Call ``compare(fn)`` -> (ok, message). The stub's own ``raise NotImplementedError`` counts
     as not attempted; any other exception as wrong, with the error shown. A call of ``fn`` that does not
     return within ``watchdog.BOUND_S`` is stopped and its line named (``bound=False``: ``compare`` does that)."""
     try:
-        ok, message = compare(bounded_calls(fn) if bound else fn)
+        with float32_default():
+            ok, message = compare(bounded_calls(fn) if bound else fn)
     except DidNotReturn as e:
         return ExerciseResult(name, False, f"your {name} {e}")
     except (Exception, SystemExit) as e:  # a learner's bug (a sys.exit too): say what it was, keep the notebook

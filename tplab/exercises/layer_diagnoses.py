@@ -153,7 +153,7 @@ def diagnose_qkv_linear(spec, results, tp):
 def diagnose_embedding(spec, results, tp):
     w, ids = spec.weights[0][1], spec.x
     per_rank = -(-V // tp)
-    padded = torch.cat([w, torch.zeros(per_rank * tp - V, E)])
+    padded = torch.cat([w, w.new_zeros(per_rank * tp - V, E)])
     bad = _check_param(results, "weight", [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)],
                        f"rows [r * {per_rank}, (r + 1) * {per_rank}) of the vocabulary padded to a multiple of "
                        "tp_size, zeros past the real vocabulary")
@@ -185,7 +185,7 @@ def diagnose_embedding(spec, results, tp):
 def diagnose_lm_head(spec, results, tp):
     w, hidden = spec.weights[0][1], spec.x
     per_rank = -(-V // tp)
-    padded = torch.cat([w, torch.zeros(per_rank * tp - V, E)])
+    padded = torch.cat([w, w.new_zeros(per_rank * tp - V, E)])
     bad = _check_param(results, "weight", [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)],
                        f"this rank's {per_rank} rows of the vocabulary padded to a multiple of tp_size")
     if bad or "out" not in results[0]:                                      # weights only: stop here

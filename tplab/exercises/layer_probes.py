@@ -3,10 +3,10 @@ known inputs, and its weights and outputs compared with the right answer and wit
 mistake (no all-reduce, reduced twice, averaged, bias on every rank, the wrong dimension, ids left
 unmasked, a KV head not replicated, no all-gather), so the checker can name the mistake.
 
-``SPECS[name]()`` describes the probe of part ``name``; ``run_probe`` runs in each rank (or in this
+``spec_of(name)`` describes the probe of part ``name``; ``run_probe`` runs in each rank (or in this
 process at TP 1); ``DIAGNOSE[name]`` reads every rank's result.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -91,6 +91,13 @@ SPECS = {"row_linear": row_spec, "gate_up_linear": gate_up_spec, "qkv_linear": q
          "embedding": embedding_spec, "lm_head": lm_head_spec}
 
 
+def spec_of(name: str, one_row: bool = False) -> Spec:
+    """The probe of part ``name``; with ``one_row``, its input's first row alone: a decode step of one
+    sequence, the ``T == 1`` a learner's shape handling can get wrong while every longer input passes."""
+    spec = SPECS[name]()
+    return replace(spec, x=spec.x[:1]) if one_row else spec
+
+
 def run_probe(impl, spec: Spec, tp_rank: int, tp_size: int, forward: bool = True) -> dict:
     """Build ``impl`` for this rank, load the spec's weights through its ``weight_loader``s, and run
     forward (unless ``forward`` is False: the loaded weights can be judged even if forward fails)."""
@@ -117,10 +124,10 @@ def run_probe(impl, spec: Spec, tp_rank: int, tp_size: int, forward: bool = True
     return {"params": params, "out": out.detach().clone()}
 
 
-def probe_in_rank(impl, name: str, tp_size: int, forward: bool = True) -> dict:
-    """Inside a rank of a process group: the probe of part ``name`` for this rank."""
+def probe_in_rank(impl, name: str, tp_size: int, forward: bool = True, one_row: bool = False) -> dict:
+    """Inside a rank of a process group: the probe of part ``name`` (``spec_of``) for this rank."""
     import torch.distributed as dist
-    return run_probe(impl, SPECS[name](), dist.get_rank(), tp_size, forward)
+    return run_probe(impl, spec_of(name, one_row), dist.get_rank(), tp_size, forward)
 
 
 def close(a, b) -> bool:

@@ -22,17 +22,18 @@ import cloudpickle
 
 from tplab.distributed.launcher import RankError
 from tplab.engine.parts import FIELDS
-from tplab.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, is_stub_error,
-                                      own_code, solutions, sp_region_probe, watchdog)
+from tplab.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, float32_default,
+                             is_stub_error, own_code, solutions, sp_region_probe, watchdog)
 from tplab.exercises.layer_diagnoses import DIAGNOSE
 from tplab.exercises.in_engine import (NEW_TOKENS, aborted_because, engine_acts, engine_config, first_diff, kept_ranks,
                                       reference, serve, worst_share)
-from tplab.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe
+from tplab.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe, spec_of
 from tplab.exercises.watchdog import DidNotReturn, call_bounded
 
 LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
                 "block_manager": block_manager_probe}
 RANK_PROBES = {"sp_norm_region": sp_region_probe}  # parts alone in the ranks, by their own probe (collectives)
+ONE_ROW = " on one row (a decode step of one sequence, the T == 1 that one prompt alone gives)"
 HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
     *(("attention", words, "if you repeated K/V to the query heads before storing them, the cache (H_kv heads per "
                            "slot) has no room for them: store the KV heads, repeat only for the scores")
@@ -137,13 +138,18 @@ def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None
         return None if ok else f"the part alone: {why}"
     if name not in SPECS:
         return None
-    for forward in (False, True):                     # the loaded weights first, then the output
-        results = [call_bounded(bound, run_probe, impl, SPECS[name](), 0, 1, forward)] if group is None else \
-            group.run(call_bounded, (bound, probe_in_rank, impl, name, tp, forward), timeout=timeout)
-        ok, why = DIAGNOSE[name](SPECS[name](), results, tp)
+    for forward, one_row in ((False, False), (True, False), (True, True)):   # the loaded weights, then the output
+        spec, where = spec_of(name, one_row), f"the layer alone at TP {tp}" + (ONE_ROW if one_row else "")
+        try:
+            results = [call_bounded(bound, run_probe, impl, spec, 0, 1, forward)] if group is None else \
+                group.run(call_bounded, (bound, probe_in_rank, impl, name, tp, forward, one_row), timeout=timeout)
+        except (Exception, DidNotReturn, SystemExit) as e:
+            if not one_row:
+                raise
+            return _exception_result(name, impl, e, where, group).message    # fails only where T == 1: say so
+        ok, why = DIAGNOSE[name](spec, results, tp)
         if not ok:
-            return f"the layer alone at TP {tp}, {why}" if tp > 1 else f"the layer alone at TP 1: " \
-                                                                       f"{why.removeprefix('rank 0: ')}"
+            return f"{where}, {why}" if tp > 1 else f"{where}: {why.removeprefix('rank 0: ')}"
     return None
 
 
@@ -200,6 +206,11 @@ def check_part(name: str, impl, tensor_parallel_size: int = 2, timeout: float = 
     ``.message`` names the first sublayer that differs, on which rank, and the mistake where it
     recognises one."""
     _check_arguments({name: impl}, tensor_parallel_size)
+    with float32_default():
+        return _judge_part(name, impl, tensor_parallel_size, timeout)
+
+
+def _judge_part(name: str, impl, tensor_parallel_size: int, timeout: float) -> ExerciseResult:
     if name == "pipeline_stage":                       # its own checks: layouts, the boundary, the engine at PP 2
         from tplab.exercises import pipeline_probe
         return pipeline_probe.judge(impl, tensor_parallel_size, timeout, _exception_result)
@@ -254,7 +265,8 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
         return ExerciseResult(name, None, f"not attempted yet: still stubs: {', '.join(stubs)}. Write them in their "
                               "`# Exercise:` cells (notebooks 02, 04, 05 and 06), run those cells, then this one; "
                               "or hand check_engine only the parts you finished" + aside)
-    result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
+    with float32_default():
+        result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
     if result.ok and missing:
         result.message += f" (tplab's own {', '.join(missing)}: write them too to make it all yours)"
     result.message += aside
@@ -265,7 +277,7 @@ def _is_stub(impl, name) -> bool:
     """Whether ``impl`` is still the exercise's stub: probing it raises its own NotImplementedError."""
     try:
         if name in SPECS:
-            call_bounded(None, run_probe, impl, SPECS[name](), 0, 1)
+            call_bounded(None, run_probe, impl, spec_of(name), 0, 1)
         elif name in LOCAL_PROBES:
             call_bounded(None, LOCAL_PROBES[name].run, impl)
     except Exception as e:

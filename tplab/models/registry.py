@@ -3,8 +3,14 @@
 Every class takes the same arguments (``Qwen2ForCausalLM``'s) and says which of the config's sizes tensor
 parallelism splits (``tp_split_sizes``); ``check_tp_size`` holds a TP size (and ``enable_expert_parallel``)
 against them before any rank starts, and names the sizes that work; ``check_dp_size`` a data-parallel size.
+``load_model_config`` reads a checkpoint's config after checking it is one of these.
 """
+import json
+from pathlib import Path
+
 from tplab.layers.linear import check_heads_divisible, valid_tp_sizes
+from tplab.layers.rotary import check_rope_supported
+from tplab.models.loader import checkpoint_files
 from tplab.models.qwen2 import Qwen2ForCausalLM
 from tplab.models.qwen3 import Qwen3ForCausalLM
 from tplab.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, is_moe_layer
@@ -26,6 +32,34 @@ def model_class(model_type: str) -> type:
     if model_type not in MODELS:
         raise ValueError(f"model_type={model_type!r} is not served by tplab; it serves {supported()}")
     return MODELS[model_type]
+
+
+def load_model_config(model_dir):
+    """The checkpoint's HF config (``Qwen2Config``, ``Qwen3Config``, ``Qwen2MoeConfig`` or ``Qwen3MoeConfig``),
+    after checking the folder holds a safetensors checkpoint of a ``model_type`` tplab serves
+    (``tplab.models.registry``)."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    checkpoint_files(model_dir)  # folder exists and has safetensors
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config_file} is not valid JSON ({e}): fix the file, or write it again with "
+                         "config.save_pretrained(folder)") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in MODELS:
+        raise ValueError(f"{config_file} has model_type={model_type!r}; tplab runs Qwen2, Qwen3, Qwen2-MoE and "
+                         f"Qwen3-MoE checkpoints (model_type {supported()}, e.g. Qwen2.5-0.5B-Instruct, Qwen3-0.6B, "
+                         "Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B): pass the folder of one of those")
+    config = AutoConfig.from_pretrained(model_dir)
+    check_rope_supported(config)
+    if getattr(config, "use_sliding_window", False):
+        raise NotImplementedError("use_sliding_window=True is not implemented in tplab; set it to false")
+    return config
 
 
 def check_tp_size(config, tp_size: int, enable_expert_parallel: bool = False) -> None:
