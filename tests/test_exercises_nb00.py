@@ -148,3 +148,14 @@ def test_sends_and_recvs_that_never_pair_up_time_out_with_a_hint():
 def test_a_float64_result_names_the_dtype_it_should_keep():
     result = nb00.check_ring_all_reduce(lambda x: ring_all_reduce(x).double(), world_sizes=WORLD3)
     assert result.ok is False and "returned torch.float64, but x is torch.float32" in result.message, result.message
+
+
+def test_a_collective_on_one_rank_only_is_named_at_once_not_timed_out():
+    def rank_0_reduces(x):
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            dist.all_reduce(x)                           # the other ranks never join: it would wait forever
+        return ring_all_reduce(x)
+    result = nb00.check_ring_all_reduce(rank_0_reduces, world_sizes=WORLD3, timeout=30)
+    assert result.ok is False and "rank 0 called the collective all_reduce" in result.message, result.message
+    assert "line 4 of rank_0_reduces" in result.message, result.message

@@ -59,12 +59,19 @@ def _nbytes(x) -> int:
     return x.numel() * x.element_size() if hasattr(x, "element_size") else 0     # a pickled object: not counted
 
 
+class CollectiveRefused(RuntimeError):
+    """A collective of ``torch.distributed`` called inside ``Collectives(refuse=True)``; its message is the op."""
+
+
 class Collectives:
     """``with Collectives() as watch:`` patches the collectives (load the part inside it); then each
-    ``with watch.block() as seen:`` fills ``seen`` with the ``(op, bytes put in)`` of the block's collectives."""
+    ``with watch.block() as seen:`` fills ``seen`` with the ``(op, bytes put in)`` of the block's collectives.
+    With ``refuse``, a collective of ``torch.distributed`` raises ``CollectiveRefused`` instead of running inside
+    a block: run on one rank only, it would wait for the others until the timeout."""
 
-    def __init__(self):
-        self._seen, self._patch = None, patched({n: (lambda o, n=n: self._recorder(n, o)) for n in _COLLECTIVES})
+    def __init__(self, refuse: bool = False):
+        self._seen, self._refuse = None, refuse
+        self._patch = patched({n: (lambda o, n=n: self._recorder(n, o)) for n in _COLLECTIVES})
 
     def __enter__(self):
         self._patch.__enter__()
@@ -77,6 +84,8 @@ class Collectives:
         op, position, keyword = _COLLECTIVES[name]
 
         def call(*args, **kwargs):
+            if self._seen is not None and self._refuse:
+                raise CollectiveRefused(op)
             if self._seen is not None and sys._getframe(1).f_code.co_filename != _HOME:   # tplab's: counted anyway
                 self._seen.append((op, _nbytes(args[position] if len(args) > position else kwargs[keyword])))
             return original(*args, **kwargs)

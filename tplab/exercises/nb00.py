@@ -2,7 +2,8 @@
 
 ``check_ring_all_reduce(fn)`` runs the learner's ``fn(x) -> tensor`` in real gloo ranks (3, then 2) and
 compares what every rank returns with ``dist.all_reduce`` of the same tensors. ``fn`` may use point-to-point
-messages only (``send``/``recv``/``isend``/``irecv``); a collective is named and refused.
+messages only (``send``/``recv``/``isend``/``irecv``); a collective is named and refused (one of
+``torch.distributed`` as it is called, so a rank that calls it alone is not left waiting for the others).
 
 The inputs say where every value came from: element ``i`` of rank ``r`` is ``8**r + 8**world * i``. A sum
 of them reads back as "which ranks, how many times each, from which position", so a wrong result names
@@ -46,7 +47,7 @@ def _in_rank(blob: bytes, case, bound_s=None):
         x = torch.randn(*case, generator=torch.Generator().manual_seed(rank))
     ref = x.clone()
     dist.all_reduce(ref)
-    with dist_watch.Collectives() as watch:
+    with dist_watch.Collectives(refuse=True) as watch:         # torch.distributed's raise at once
         fn = dist_watch.load(blob)
         with watch.block() as seen, watchdog.bounded(bound_s):
             out = fn(x.clone())
@@ -97,12 +98,16 @@ def _diagnose_encoded(out: torch.Tensor, rank: int, world: int) -> str | None:
             f"world - 1 = {world - 1} steps; the chunk order is off. {HINT_ORDER}")
 
 
+def _called(rank: int, op: str) -> str:
+    return (f"rank {rank} called the collective {op}: build the all-reduce yourself from point-to-point messages "
+            "(dist.isend / dist.recv to the ring neighbours)")
+
+
 def _judge(world: int, case, per_rank) -> str | None:
     """The first thing wrong with the ranks' results on one case, or None."""
     for rank, (_, _, used) in enumerate(per_rank):
         if used:
-            return (f"rank {rank} called the collective {used[0]}: build the all-reduce yourself from point-to-point "
-                    "messages (dist.isend / dist.recv to the ring neighbours)")
+            return _called(rank, used[0])
     for rank, (out, ref, _) in enumerate(per_rank):
         where = f"world size {world}, rank {rank}, x of shape {tuple(ref.shape)}"
         if out is None:
@@ -143,6 +148,9 @@ def _rank_error(fn, error: RankError, world: int, case):
     if "Timed out waiting" in summary:                # gloo's own timeout on a recv that nobody answers
         return False, (f"world size {world}: rank {error.rank} timed out in a recv{where}: it waited for a "
                        f"message {HINT_HANG}")
+    refused = re.search(r"CollectiveRefused: (\w+)", summary)
+    if refused:
+        return False, f"world size {world}: {_called(error.rank, refused[1])}{where}"
     if "NotImplementedError" in summary:              # the stub's raise, after some code of the learner's
         return False, f"{summary}{where}: the stub's `raise NotImplementedError` is still there"
     return False, f"{summary}{where}"
