@@ -305,3 +305,24 @@ def test_a_notebook_default_dtype_of_float64_does_not_fail_a_right_part(name):
     finally:
         torch.set_default_dtype(before)
     assert result.ok is True, result.message
+
+
+class MetaOutput(Row):
+    def forward(self, x):
+        return super().forward(x).to("meta")
+
+
+class Rank1Exits(Row):
+    def forward(self, x):
+        import os
+        if self.tp_rank == 1:
+            os._exit(1)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("impl, words", [
+    (MetaOutput, "the layer alone at TP 1: forward's output is on device meta, but the engine runs this layer on cpu"),
+    (Rank1Exits, "at TP 2, rank 1 died (exit code 1): it ended without a Python exception")])
+def test_an_output_on_another_device_or_a_rank_that_dies_is_said_as_such(impl, words):
+    result = check_part("row_linear", impl)
+    assert result.ok is False and words in result.message, result.message

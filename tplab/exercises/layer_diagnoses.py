@@ -11,8 +11,12 @@ ALL_REDUCE = "tplab.distributed.parallel_state.all_reduce(y, tp_size) or torch.d
 # ever allocated; the numbers and the memory are the same as with requires_grad=False.
 
 
-def dtype_mistake(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """A sentence when ``got`` (a part's parameter or output) is not in the dtype the engine runs in."""
+def device_or_dtype_mistake(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """A sentence when ``got`` (a part's parameter or output) is not on the device, or in the dtype, the engine
+    runs in."""
+    if isinstance(got, torch.Tensor) and got.device != want.device:
+        return (f"{what} is on device {got.device}, but the engine runs this layer on {want.device} (its input's): "
+                "make new tensors with device=x.device, and keep results where they were computed")
     if not isinstance(got, torch.Tensor) or got.dtype == want.dtype:
         return None
     return (f"{what} is {got.dtype}, but the engine runs this layer in {want.dtype} (the model's dtype: its "
@@ -32,9 +36,9 @@ def _check_param(results, name, expected, what) -> str | None:
             return f"rank {r}: the layer has no parameter `{name}`"
         if _shape(got) != _shape(expected[r]):
             return f"rank {r}: `{name}` has shape {_shape(got)}, expected {_shape(expected[r])} ({what})"
-        wrong_dtype = dtype_mistake(f"`{name}`", got, expected[r])
-        if wrong_dtype:
-            return f"rank {r}: {wrong_dtype}"
+        wrong_kind = device_or_dtype_mistake(f"`{name}`", got, expected[r])
+        if wrong_kind:
+            return f"rank {r}: {wrong_kind}"
         if not close(got, expected[r]):
             return f"rank {r}: `{name}` has the right shape but holds the wrong numbers ({what})"
     return None
@@ -44,9 +48,9 @@ def _check_output(results, expected, mistakes) -> tuple[bool, str]:
     """``mistakes``: list of (name, per-rank expected outputs, explanation); first matching rank wins."""
     for r, res in enumerate(results):
         out = res["out"]
-        wrong_dtype = dtype_mistake("forward's output", out, expected[r])
-        if wrong_dtype:
-            return False, f"rank {r}: {wrong_dtype}"
+        wrong_kind = device_or_dtype_mistake("forward's output", out, expected[r])
+        if wrong_kind:
+            return False, f"rank {r}: {wrong_kind}"
         if close(out, expected[r]):
             continue
         for _, outputs, why in mistakes:

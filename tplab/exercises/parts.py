@@ -85,8 +85,11 @@ def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
     if aborted:
         hint = _hints(name, aborted)
         return ExerciseResult(name, False, f"{where}, rank {error.rank} was aborted by gloo: {aborted}{hint}")
+    if isinstance(error, RankError) and not error.remote_traceback:         # the process died: no exception
+        return ExerciseResult(name, False, f"{where}, {error}: it ended without a Python exception (os._exit, a "
+                                           "crash inside native code, or the system's out-of-memory killer)")
     if isinstance(error, RankError):
-        last = error.remote_traceback.strip().splitlines()[-1] if error.remote_traceback else str(error)
+        last = error.remote_traceback.strip().splitlines()[-1]
         returned = re.match(r"(?:[\w.]+\.)?ForgotReturn: (.+)", last)     # a probe in the rank: what forward returned
         if returned:
             return ExerciseResult(name, False, f"{where}, rank {error.rank}: {returned[1]}")
