@@ -3,8 +3,8 @@
     check_part("row_linear", MyRowParallelLinear, tensor_parallel_size=2)
 
 1. The part alone (``layer_probes``): built on every rank, loaded with small known weights, run on
-   known inputs; its weights and outputs are compared with the right ones and with each usual
-   mistake, so the message can name it.
+   known inputs (and on one row alone, a decode step of one sequence); its weights and outputs are
+   compared with the right ones and with each usual mistake, so the message can name it.
 2. Inside the engine: the shipped model with the part swapped in (``LLM(parts=...)``'s mechanism),
    one prompt prefilled at TP 1 here and at the given TP size in real ranks, every sublayer's output
    on every rank compared with HF's; then greedy tokens at that TP size against HF's ``generate``.
