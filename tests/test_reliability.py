@@ -96,6 +96,34 @@ def test_a_generate_that_raised_in_process_leaves_nothing_for_the_next_one(check
         assert len(calls) - before == 3 * llm.config.hf_config.num_hidden_layers, "the failed call's requests ran"
 
 
+@pytest.mark.parametrize("fail_at", [1, 2, 10])      # the prompt's first chunk, its second, the decode that fills a block
+def test_a_step_that_raised_leaves_no_unwritten_block_in_the_prefix_cache(checkpoint, fail_at):
+    """Full blocks enter the prefix cache when they are allocated, before their K/V are written (a prompt's at
+    admission, a decode's when its token fills one): after a step that raised (Ctrl-C in a notebook, a learner's
+    part), a prompt that shares them must not read them."""
+    from tplab.engine.model_runner import token_positions
+    calls = []
+
+    def fails_once(seq):                                   # tplab's positions, raising on one call
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return token_positions(seq)
+    prompt, params = list(range(3, 43)), SamplingParams(max_tokens=12, ignore_eos=True)   # 40 tokens: 2 chunks
+    settings = dict(enable_prefix_caching=True, max_num_batched_tokens=32, parts={"positions": fails_once})
+    with LLM(checkpoint("gqa"), **settings) as llm:
+        calls.extend([1] * fail_at)                        # no failure in the reference runs
+        first = llm.generate([prompt], params)[0].token_ids
+        longer = prompt + first[:9]                        # 49 tokens: its third block holds 8 decoded tokens
+        want = [first, llm.generate([longer], params)[0].token_ids]
+    with LLM(checkpoint("gqa"), **settings) as llm:
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([prompt], params)
+        assert [o.token_ids for o in llm.generate([prompt, longer], params)] == want
+        assert [o.token_ids for o in llm.generate([prompt, longer], params)] == want   # from the prefix cache, rightly
+
+
 def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint):
     llm = LLM(slow_checkpoint, tensor_parallel_size=2, timeout=120)
     pids = rank_pids(llm)

@@ -9,6 +9,9 @@ With prefix caching, every *full* block is keyed by a chained hash of its token 
 (the hash of the block before it, and its own tokens), so two sequences with the
 same prefix find the same blocks and share them by reference count. A sequence keeps
 the hashes of its full blocks (``seq.block_hashes``), extended by one as each block fills.
+A block is registered when it is allocated (or filled), before the step that writes its K/V runs:
+the scheduler never frees a prompt halfway through its prefill, and after a step that raised the
+engine starts an empty block manager (``Scheduler.abort_all``).
 
 A sequence here is anything with ``token_ids``, ``block_table``, ``block_hashes`` and
 ``num_cached_tokens`` (``tplab.engine.sequence.Sequence``).

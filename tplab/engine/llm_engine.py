@@ -176,10 +176,13 @@ class LLMEngine:
     def _scheduler(self) -> Scheduler:
         """A scheduler with its own block manager over ``runner.num_blocks`` blocks."""
         cfg = self.cfg
-        blocks = cfg.parts.block_manager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         budget = cfg.max_num_batched_tokens or default_batched_tokens(self.device, cfg.hf_config)
-        return Scheduler(blocks, cfg.max_num_seqs, budget, eos_token_ids(cfg.hf_config),
+        return Scheduler(self._block_manager(), cfg.max_num_seqs, budget, eos_token_ids(cfg.hf_config),
                          cfg.hf_config.max_position_embeddings)
+
+    def _block_manager(self):
+        """An empty block manager (``Parts.block_manager``) over ``runner.num_blocks`` blocks."""
+        return self.cfg.parts.block_manager(self.runner.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False,
                  indices: list[int] | None = None) -> list[Sequence]:
@@ -203,7 +206,7 @@ class LLMEngine:
                             bar.finished(seq)
         except BaseException:               # an error or Ctrl-C: nothing of this call is left for the next one
             for scheduler in self.schedulers:
-                scheduler.abort_all()
+                scheduler.abort_all(self._block_manager())
             self.in_flight = [None] * len(self.schedulers)
             raise
         finally:

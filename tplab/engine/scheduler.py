@@ -35,11 +35,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort_all(self) -> None:
-        """Drop every unfinished sequence and free its blocks (a ``generate`` that raised or was interrupted)."""
-        for seq in [*self.running, *self.waiting]:
-            self.block_manager.free(seq)
-        self.running, self.waiting = [], deque()
+    def abort_all(self, empty_block_manager) -> None:
+        """Drop every unfinished sequence (a ``generate`` that raised or was interrupted), and the block manager
+        with them, for ``empty_block_manager``: full blocks are registered in the prefix cache when allocated
+        (a prompt's at admission, a decode's as its token fills one), before a step writes their K/V, so the
+        failed step may have left registered blocks that were never written, for a later prompt to read."""
+        self.block_manager, self.running, self.waiting = empty_block_manager, [], deque()
 
     def schedule(self) -> list[Sequence]:
         """The sequences of the next step, each with ``num_scheduled_tokens`` set: the running ones
