@@ -76,6 +76,27 @@ def test_ctrl_c_while_waiting_stops_the_ranks_and_reraises(no_new_children, sigi
         group.run(world_info)
 
 
+def test_ctrl_c_while_a_rank_starts_leaves_no_rank_behind(no_new_children, sigint_raises, monkeypatch):
+    """Ctrl-C inside ``proc.start()``, after the fork server forked the rank but before its pid came back (a
+    notebook's first TP 2 LLM interrupted a second in): the rank is stopped with the others."""
+    from tplab.distributed import rank_start
+    started = rank_start.start
+
+    def interrupted_while_starting(proc):
+        started(proc)
+        signal.raise_signal(signal.SIGINT)          # as if the Ctrl-C came just before start() returned
+    monkeypatch.setattr(rank_start, "start", interrupted_while_starting)
+    before = forked_ranks()                          # the fork server's children: ranks (live_children skips them)
+    with pytest.raises(KeyboardInterrupt):
+        RankGroup(2, timeout=60)
+    assert forked_ranks() <= before
+
+
+def forked_ranks() -> set[int]:
+    servers = [p for p in psutil.Process().children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+    return {c.pid for server in servers for c in server.children() if c.is_running() and c.status() != "zombie"}
+
+
 # A user script with no `if __name__ == "__main__":` guard, whose process is then killed.
 USER_SCRIPT = """
 import os, threading, time

@@ -157,9 +157,10 @@ class RankGroup:
                 proc = ctx.Process(target=rank_main, name=f"tplab-rank-{rank}", args=(
                     rank, world_size, self.backend, ranks.store.port, self.timeout, threads, there,
                     parent, pdeathsig, dict(os.environ)))
-                rank_start.start(proc)
+                with rank_start.ctrl_c_deferred():   # so that a rank started is a rank known, to be stopped
+                    rank_start.start(proc)
+                    ranks.procs.append(proc)
                 there.close()  # so that a dead rank shows up as EOF on our end
-                ranks.procs.append(proc)
                 ranks.conns.append(here)
             self._collect(self.timeout)  # every rank has joined the group (or the failure is raised)
         except BaseException:

@@ -8,10 +8,12 @@ ranks with it (PR_SET_PDEATHSIG). A forked rank inherits the server's environmen
 caller's current one. Elsewhere (macOS, Windows), spawn. ``TPLAB_START_METHOD=spawn`` makes Linux spawn too,
 so the path macOS and Windows take runs (and is tested) here.
 """
+import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
 import multiprocessing.spawn
 import os
+import signal
 import sys
 import threading
 
@@ -89,3 +91,21 @@ def start(proc) -> None:
             proc.start()
         finally:
             mp.spawn.get_preparation_data = original
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """A Ctrl-C (SIGINT) that arrives inside the block is delivered when the block ends. Interrupted inside
+    ``start``, the fork server has forked a rank whose pid never reached us, and nothing could stop it; after
+    the block the caller knows the rank, and stops it. Only the main thread has Python signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if arrived:
+            signal.raise_signal(signal.SIGINT)      # now to the caller's own handler (KeyboardInterrupt)
