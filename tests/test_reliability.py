@@ -124,6 +124,32 @@ def test_a_step_that_raised_leaves_no_unwritten_block_in_the_prefix_cache(checkp
         assert [o.token_ids for o in llm.generate([prompt, longer], params)] == want   # from the prefix cache, rightly
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_second_thread_calling_generate_meanwhile_is_refused_and_the_first_is_right(checkpoint, tp):
+    """Two calls at once would share the schedulers (at TP 1) or the ranks' pipes (TP > 1): answers swapped."""
+    from tplab.kernels.attend import sdpa_attend
+    calls = []
+
+    def attend_slow_once(*args, **kwargs):                # in each rank's own copy: the first call takes 4 s
+        if not calls:
+            calls.append(1)
+            time.sleep(4)
+        return sdpa_attend(*args, **kwargs)
+    prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(checkpoint("gqa"), tensor_parallel_size=tp) as plain:
+        want = [o.token_ids for o in plain.generate(prompts, params)]
+    with LLM(checkpoint("gqa"), tensor_parallel_size=tp, parts={"attend": attend_slow_once}) as llm:
+        box = []
+        first = threading.Thread(target=lambda: box.append(llm.generate(prompts, params)))
+        first.start()
+        time.sleep(1.5)                                   # the first call is inside its slow attention
+        with pytest.raises(RuntimeError, match="already running a call .* from another thread"):
+            llm.generate([[6, 7]], params)
+        first.join(60)
+        assert [o.token_ids for o in box[0]] == want
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want       # and it goes on working
+
+
 def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint):
     llm = LLM(slow_checkpoint, tensor_parallel_size=2, timeout=120)
     pids = rank_pids(llm)

@@ -6,8 +6,10 @@ same engine; this process only tokenizes, checks input and collects rank 0's ans
 splits the prompts between the DP ranks and puts every DP rank's answers back in prompt order). Under
 ``torchrun`` (a process group already initialised) every rank runs the engine in-process.
 """
+import contextlib
 import numbers
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +77,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.model)
         self.timeout = self.config.timeout
         self._group = self._worker = None
-        self._why_down = ""
+        self._why_down, self._busy = "", threading.Lock()
         tp, pp, dp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size, self.config.data_parallel_size
         if dist.is_initialized():                       # torchrun: this process is one of the ranks
             check_world(tp, pp, dist.get_world_size(), dp)
@@ -157,13 +159,7 @@ class LLM:
         ``start`` (the tick began), ``busy`` (its input had arrived) and ``end``, counted from the first tick's
         start. Empty lists without PP. Under torchrun every rank must call it (it gathers)."""
         tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
-        if self._group is not None:
-            ranks = self._group.call(Worker.timeline, timeout=self.timeout)
-        elif dist.is_initialized():
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, self._call(Worker.timeline))
-        else:
-            ranks = [self._call(Worker.timeline)]
+        ranks = self._call_all(Worker.timeline)
         stages = [ranks[s * tp] for s in range(pp)]
         t0 = min((t["start"] for ticks in stages for t in ticks), default=0.0)
         return [[{**t, **{k: t[k] - t0 for k in ("start", "busy", "end")}} for t in ticks] for ticks in stages]
@@ -174,7 +170,8 @@ class LLM:
         if self._group is None:
             if self._worker is None:
                 raise RuntimeError(f"this LLM was shut down{self._why_down}; create a new one")
-            return method(self._worker, *args)
+            with self._one_call_at_a_time():
+                return method(self._worker, *args)
         return self._call_all(method, *args)[0]
 
     def _call_all(self, method, *args) -> list:
@@ -187,12 +184,25 @@ class LLM:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
             return every
+        with self._one_call_at_a_time():
+            try:
+                return self._group.call(method, args, timeout=self.timeout)
+            except BaseException as e:  # RankGroup already stopped every rank; this LLM cannot go on
+                self._why_down = f" after {type(e).__name__} in a rank call"
+                self.shutdown()
+                raise
+
+    @contextlib.contextmanager
+    def _one_call_at_a_time(self):
+        """Refuse a call while another thread's runs: two would share the schedulers (and the ranks' pipes),
+        and each could get the other's answers."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this LLM is already running a call (generate, stats, ...) from another thread: "
+                               "call it from one thread at a time, or give each thread an LLM of its own")
         try:
-            return self._group.call(method, args, timeout=self.timeout)
-        except BaseException as e:  # RankGroup already stopped every rank; this LLM cannot go on
-            self._why_down = f" after {type(e).__name__} in a rank call"
-            self.shutdown()
-            raise
+            yield
+        finally:
+            self._busy.release()
 
     def _dp_firsts(self, per_rank: list) -> list:
         """The answers of each DP rank's first rank (world rank ``r x pipeline_parallel_size x tensor_parallel_size``),
