@@ -93,6 +93,12 @@ def test_compile_setting_is_checked_and_off_by_default(checkpoint, monkeypatch):
     assert engine_config(checkpoint("gqa")).compile is True
     with pytest.raises(ValueError, match="compile must be True or False, got 'yes'"):
         engine_config(checkpoint("gqa"), compile="yes")
+    for off in ("0", "false", "False", "off", "no", ""):           # every one of these once turned it on
+        monkeypatch.setenv("TPLAB_COMPILE", off)
+        assert engine_config(checkpoint("gqa")).compile is False, off
+    monkeypatch.setenv("TPLAB_COMPILE", "maybe")
+    with pytest.raises(ValueError, match="TPLAB_COMPILE='maybe' is neither on nor off: set it to 1 or 0"):
+        engine_config(checkpoint("gqa"))
 
 
 SCRIPT = textwrap.dedent("""

@@ -164,3 +164,13 @@ def test_a_survivors_connection_error_is_reported_as_the_peers_death(no_new_chil
     with pytest.raises(RankError, match=r"rank 1 died \(signal 9.*then rank 0 failed: RuntimeError") as info:
         RankGroup(2, timeout=60).run(die_on_rank_1_reset_on_rank_0)
     assert info.value.rank == 1
+
+
+def test_a_timeout_no_clock_can_wait_is_refused_before_anything_starts(no_new_children):
+    for timeout in (float("inf"), 1e12, 0, True):
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds, at most 1e"):
+            launch(world_info, 2, timeout=timeout)
+    with RankGroup(1, timeout=60) as group:
+        with pytest.raises(ValueError, match="at most 1e"):
+            group.run(world_info, timeout=float("inf"))
+        assert group.run(world_info) == [(0, 1)]                  # refused before it was sent: still usable

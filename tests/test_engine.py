@@ -177,3 +177,12 @@ def test_progress_bar_counts_every_prompt_on_stderr(llm, capsys):
     assert "Processed prompts" in err and "2/2" in err and "output:" in err and len(outs) == 2
     llm.generate([[1, 2], [3]], SamplingParams(max_tokens=2))   # default: no terminal here, no bar
     assert "Processed prompts" not in capsys.readouterr().err
+
+
+def test_chat_messages_that_are_not_role_content_dicts_are_refused_with_the_form():
+    from tplab import models
+    with LLM(models.tiny_stories()) as llm:
+        assert "Tell me a story" in llm.chat_prompt("Tell me a story")
+        for messages in (["Hi!", "Tell me a story"], [("user", "Hi!")], [{"role": "user"}], []):
+            with pytest.raises(ValueError, match=r"messages must be a string, or a non-empty list of \{'role'"):
+                llm.chat(messages)

@@ -212,13 +212,18 @@ def test_process_that_exits_without_shutdown_leaves_no_orphans(checkpoint, tmp_p
     (dict(backend="nccl"), r"backend='nccl' needs one GPU per rank"),
     (dict(tensor_parallel_size=2, backend="mpi"), r"backend must be one of"),
     (dict(timeout=0), r"timeout must be a positive number"),
+    (dict(timeout=float("inf"), tensor_parallel_size=2), r"timeout must be a positive number of seconds, at most 1e\+07"),
+    (dict(seed=2 ** 64), r"seed must be an int in \[-2\*\*63, 2\*\*63\)"),
+    (dict(seed=True), r"seed must be an int in"),
     (dict(max_num_seqs=0), r"max_num_seqs must be a positive int"),
     (dict(block_size=-4), r"block_size must be a positive int"),
     (dict(num_kv_blocks=0), r"num_kv_blocks must be a positive int"),
     (dict(enable_prefix_caching="False"), r"enable_prefix_caching must be True or False, got 'False'"),
     (dict(check_finite=1), r"check_finite must be True or False, got 1"),
-    (dict(num_kv_blocks=10 ** 12), r"num_kv_blocks=1000000000000 needs [\d,]+ bytes of KV cache on each rank, more "
-                                   r"than the [\d,]+ free: lower num_kv_blocks"),
+    (dict(num_kv_blocks=10 ** 12), r"num_kv_blocks=1000000000000 makes a KV cache of [\d,]+ bytes on each rank, "
+                                   r"more than the [\d,]+ free: ask for less"),
+    (dict(kv_cache_memory=10 ** 15, max_num_seqs=10 ** 6), r"kv_cache_memory=1,000,000,000,000,000 makes a KV cache "
+                                                           r"of [\d,]+ bytes on each rank, more than the [\d,]+ free"),
     (dict(device="cuda:99"), r"device='cuda:99', but this machine has \d+ CUDA GPU\(s\) visible: pass device='cpu'"),
 ])
 def test_bad_engine_arguments_say_what_to_change(checkpoint, kwargs, msg):
@@ -233,3 +238,17 @@ def test_finite_check_names_the_first_nan_sublayer_and_is_off_unless_asked(check
             llm.generate([[1, 2, 3]])
     with LLM(checkpoint("gqa"), bugs=["mask_mul_inf"]) as llm:                     # off by default
         assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids
+
+
+def test_a_part_that_reads_an_unpicklable_global_is_refused_before_ranks_start(checkpoint, tmp_path):
+    from tplab.engine.model_runner import token_positions
+    log = open(tmp_path / "positions.log", "w")
+
+    def logged_positions(seq):                        # reads a notebook global that cannot travel to a rank
+        print(seq.seq_id, file=log)
+        return token_positions(seq)
+    with pytest.raises(ValueError, match=r"the settings cannot be sent to the ranks \(.*\): at TP > 1 each part "
+                                         r"\(parts=...\) travels to every rank with the notebook globals it reads"):
+        LLM(checkpoint("gqa"), tensor_parallel_size=2, parts={"positions": logged_positions})
+    assert live_children() == set()
+    log.close()

@@ -128,6 +128,16 @@ def _dead_peer(procs, rank: int, grace: float = 0.5) -> int | None:
     return others[ready[0]] if ready else None
 
 
+MAX_TIMEOUT_S = 1e7              # 116 days: a wait of more overflows the clocks that time it
+
+
+def check_timeout(timeout) -> float:
+    """``timeout`` as float seconds, when it is a number in (0, ``MAX_TIMEOUT_S``]; else a ValueError."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g}, got {timeout!r}")
+    return float(timeout)
+
+
 class RankGroup:
     """`world_size` long-lived rank processes sharing one process group; run functions on all of them.
 
@@ -138,9 +148,7 @@ class RankGroup:
     def __init__(self, world_size: int, backend: str | None = None, timeout: float = 300.0,
                  threads_per_rank: int | None = None):
         self.backend = pick_backend(world_size, backend)
-        self.world_size, self.timeout = world_size, float(timeout)
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.world_size, self.timeout = world_size, check_timeout(timeout)
         if threads_per_rank is not None and (not isinstance(threads_per_rank, int) or threads_per_rank < 1):
             raise ValueError(f"threads_per_rank must be None or an int >= 1, got {threads_per_rank!r}")
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)  # no oversubscription
@@ -184,6 +192,7 @@ class RankGroup:
         if self._ranks.stopped:
             raise RuntimeError("this RankGroup is closed (close() was called, or a rank failed or timed out); "
                                "create a new RankGroup")
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))  # a pickling error leaves us usable
         try:
             for rank, conn in enumerate(self._ranks.conns):
@@ -191,7 +200,7 @@ class RankGroup:
                     conn.send_bytes(pickle.dumps((kind, payload)))
                 except OSError:
                     raise _death(rank, self._ranks.procs[rank]) from None
-            return self._collect(self.timeout if timeout is None else timeout)
+            return self._collect(timeout)
         except BaseException:  # a failure, a timeout or Ctrl-C: no rank may be left half-way through
             self._abort()
             raise

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
-from tplab.distributed.launcher import pick_backend
+from tplab.distributed.launcher import check_timeout, pick_backend
 from tplab.engine.parts import Parts, bug_names, resolve
 from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
@@ -68,9 +69,12 @@ def default_batched_tokens(device, hf_config) -> int:
 
 
 def _env_flag(name: str, default: str = "1") -> bool:
-    """A setting's default from the environment, read when a config is resolved: on unless ``name=0``
-    (``default="0"``: off unless ``name`` is set to something else)."""
-    return os.environ.get(name, default) != "0"
+    """A setting's default from the environment, read when a config is resolved: ``name`` set to 1, true, on or
+    yes is on, to 0, false, off or no (or empty) is off; unset, ``default``."""
+    value = os.environ.get(name, default).strip().lower()
+    if value not in ("1", "true", "on", "yes", "0", "false", "off", "no", ""):
+        raise ValueError(f"{name}={os.environ[name]!r} is neither on nor off: set it to 1 or 0, or unset it")
+    return value in ("1", "true", "on", "yes")
 
 
 def _positive_int(name: str, value) -> None:
@@ -159,10 +163,10 @@ def _resolved(cfg: EngineConfig) -> dict:
     check_tp_size(hf, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
     check_dp_size(hf, cfg.data_parallel_size, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
     check_pp_size(hf, cfg.pipeline_parallel_size)
-    if not isinstance(cfg.seed, int):
-        raise ValueError(f"seed must be an int, got {cfg.seed!r}")
-    if isinstance(cfg.timeout, bool) or not isinstance(cfg.timeout, (int, float)) or not cfg.timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {cfg.timeout!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not -2 ** 63 <= cfg.seed < 2 ** 63:
+        raise ValueError(f"seed must be an int in [-2**63, 2**63) (a torch.Generator takes it plus a prompt's "
+                         f"index), got {cfg.seed!r}")
+    check_timeout(cfg.timeout)
     for name in ("block_size", "max_num_seqs"):
         _positive_int(name, getattr(cfg, name))
     for name in ("num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens"):
@@ -272,3 +276,14 @@ def engine_config(model, **settings) -> EngineConfig:
     if unknown:
         raise TypeError(f"unknown setting(s) {unknown}; the settings are {list(SETTINGS)}")
     return EngineConfig(model=str(model), **settings)
+
+
+def check_sendable(config) -> None:
+    """Refuse, before any rank starts, settings that cannot travel to the ranks: a part pickled by value
+    carries the globals it reads."""
+    try:
+        cloudpickle.dumps(config)
+    except Exception as e:
+        raise ValueError(f"the settings cannot be sent to the ranks ({type(e).__name__}: {e}): at TP > 1 each part "
+                         "(parts=...) travels to every rank with the notebook globals it reads, so those must pickle "
+                         "(an open file, a lock or an LLM do not): read them inside the part instead") from None

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tplab.distributed.launcher import RankGroup
-from tplab.engine.config import engine_config
+from tplab.engine.config import check_sendable, engine_config
 from tplab.engine.data_parallel import in_prompt_order, split_prompts
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.worker import Worker
@@ -85,6 +85,7 @@ class LLM:
         elif self.config.world_size == 1:               # one rank: this process
             self._worker = Worker(self.config)
         else:               # d x p x t ranks: world rank (dp_rank * p + stage) * t + tp_rank (distributed.layout)
+            check_sendable(self.config)
             self._group = RankGroup(self.config.world_size, backend=self.config.backend, timeout=self.timeout)
         try:
             if self._group is not None:
@@ -134,6 +135,11 @@ class LLM:
             raise ValueError(f"{self.config.model} has no tokenizer with a chat template")
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        if not isinstance(messages, (list, tuple)) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ValueError(f"messages must be a string, or a non-empty list of {{'role': ..., 'content': ...}} dicts "
+                             f"with string values, got {messages!r:.80}")
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -95,11 +95,7 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
     ``max_position_embeddings`` tokens can use, and the same on every rank."""
     pp = cfg.pipeline_parallel_size
     if cfg.num_kv_blocks is not None:       # at least pp: engine.config checks
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-        if cfg.num_kv_blocks * spec.bytes_per_block() > free:
-            raise ValueError(f"num_kv_blocks={cfg.num_kv_blocks} needs {cfg.num_kv_blocks * spec.bytes_per_block():,} "
-                             f"bytes of KV cache on each rank, more than the {free:,} free: lower num_kv_blocks, or "
-                             "leave it unset to size the cache from the free memory")
+        _check_free(cfg.num_kv_blocks * spec.bytes_per_block(), device, f"num_kv_blocks={cfg.num_kv_blocks}")
         return cfg.num_kv_blocks // pp
     budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.world_size)
     if cfg.cuda_graphs and cfg.kv_cache_memory is None:        # the graphs' pool comes out of the same memory
@@ -107,12 +103,24 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
     budget //= pp
     useful = cfg.max_num_seqs * -(-cfg.hf_config.max_position_embeddings // cfg.block_size)
     blocks = torch.tensor(min(budget // spec.bytes_per_block(), useful))
+    if cfg.kv_cache_memory is not None:
+        _check_free(int(blocks) * pp * spec.bytes_per_block(), device, f"kv_cache_memory={cfg.kv_cache_memory:,}")
     if dist.is_initialized():  # ranks must agree, or their schedulers would diverge
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN)
     if blocks < 1:
         raise ValueError(f"a KV cache budget of {budget} bytes holds no block of {cfg.block_size} tokens; "
                          "raise kv_cache_memory or lower block_size")
     return int(blocks)
+
+
+def _check_free(nbytes: int, device: torch.device, setting: str) -> None:
+    """Refuse a KV cache the device's free memory cannot hold: zero-filling it would end in the out-of-memory
+    killer (a lost notebook kernel) or CUDA's error, not in a message."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    if nbytes > free:
+        raise ValueError(f"{setting} makes a KV cache of {nbytes:,} bytes on each rank, more than the {free:,} "
+                         "free: ask for less, or leave num_kv_blocks and kv_cache_memory unset to size the cache "
+                         "from the free memory")
 
 
 def static_decode_builder(cfg: EngineConfig, device: torch.device):
