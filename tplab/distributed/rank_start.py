@@ -98,8 +98,8 @@ def ctrl_c_deferred():
     """A Ctrl-C (SIGINT) that arrives inside the block is delivered when the block ends. Interrupted inside
     ``start``, the fork server has forked a rank whose pid never reached us, and nothing could stop it; after
     the block the caller knows the rank, and stops it. Only the main thread has Python signal handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield                                       # (None: a handler not from Python, which we could not restore)
         return
     arrived = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))

@@ -36,8 +36,7 @@ def model_class(model_type: str) -> type:
 
 def load_model_config(model_dir):
     """The checkpoint's HF config (``Qwen2Config``, ``Qwen3Config``, ``Qwen2MoeConfig`` or ``Qwen3MoeConfig``),
-    after checking the folder holds a safetensors checkpoint of a ``model_type`` tplab serves
-    (``tplab.models.registry``)."""
+    after checking the folder holds a safetensors checkpoint of a ``model_type`` tplab serves (``MODELS``)."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
