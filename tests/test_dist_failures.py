@@ -174,3 +174,18 @@ def test_a_timeout_no_clock_can_wait_is_refused_before_anything_starts(no_new_ch
         with pytest.raises(ValueError, match="at most 1e"):
             group.run(world_info, timeout=float("inf"))
         assert group.run(world_info) == [(0, 1)]                  # refused before it was sent: still usable
+
+
+def test_a_timeout_says_where_each_rank_was(no_new_children):
+    """Rank 1 loops in the caller's code, rank 0 waits for it in a collective: the message names both lines."""
+    def loops_on_rank_1():
+        import torch.distributed as dist
+        while dist.get_rank() == 1:
+            pass
+        dist.barrier()
+    with RankGroup(2, timeout=60) as group:
+        with pytest.raises(TimeoutError) as info:
+            group.run(loops_on_rank_1, timeout=3)
+    message = str(info.value)
+    assert "rank 1 at " in message and "in loops_on_rank_1: `while dist.get_rank() == 1:`" in message, message
+    assert "rank 0 at " in message and "in loops_on_rank_1: `dist.barrier()`" in message, message

@@ -18,7 +18,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from tplab.distributed import rank_start
+from tplab.distributed import rank_start, stacks
 from tplab.distributed.rank_process import rank_main
 
 _BACKENDS = ("gloo", "nccl")
@@ -67,7 +67,7 @@ class _Ranks:
     """The processes, pipes and store of one RankGroup, apart from it so that a finalizer can stop them."""
 
     def __init__(self):
-        self.procs, self.conns, self.store, self.stopped = [], [], None, False
+        self.procs, self.conns, self.stacks, self.store, self.stopped = [], [], [], None, False
 
     def stop(self, graceful: bool = True):
         if self.stopped:
@@ -88,7 +88,7 @@ class _Ranks:
             if p.is_alive():
                 p.kill()
                 p.join()
-        for conn in self.conns:
+        for conn in self.conns + self.stacks:
             conn.close()
         self.store = None  # shuts the TCPStore server down
 
@@ -162,14 +162,17 @@ class RankGroup:
         try:
             for rank in range(world_size):
                 here, there = ctx.Pipe(duplex=True)
+                stack_in, stack_out = ctx.Pipe(duplex=False)      # where the rank says where it is (stacks)
                 proc = ctx.Process(target=rank_main, name=f"tplab-rank-{rank}", args=(
-                    rank, world_size, self.backend, ranks.store.port, self.timeout, threads, there,
+                    rank, world_size, self.backend, ranks.store.port, self.timeout, threads, there, stack_out,
                     parent, pdeathsig, dict(os.environ)))
                 with rank_start.ctrl_c_deferred():   # so that a rank started is a rank known, to be stopped
                     rank_start.start(proc)
                     ranks.procs.append(proc)
                 there.close()  # so that a dead rank shows up as EOF on our end
+                stack_out.close()
                 ranks.conns.append(here)
+                ranks.stacks.append(stack_in)
             self._collect(self.timeout)  # every rank has joined the group (or the failure is raised)
         except BaseException:
             self._abort()
@@ -229,8 +232,9 @@ class RankGroup:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
+                seen = stacks.where({r: ranks.procs[r].pid for r in pending}, dict(enumerate(ranks.stacks)))
                 raise TimeoutError(f"ranks {sorted(pending)} did not answer within {timeout:g} s; "
-                                   f"all {self.world_size} ranks were stopped")
+                                   f"all {self.world_size} ranks were stopped{seen}")
             # Sentinels too: a rank killed by a signal is noticed at once, not at the deadline.
             for ready in wait([ranks.conns[r] for r in pending] + [p.sentinel for p in ranks.procs], left):
                 rank = owner[ready]

@@ -19,6 +19,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from tplab.distributed import stacks
 from tplab.distributed.parallel_state import init_tp_comm
 
 
@@ -137,13 +138,14 @@ class _Server:
         self.resident = None
 
 
-def rank_main(rank, world_size, backend, port, timeout_s, threads, conn, parent_pid, pdeathsig, environ):
+def rank_main(rank, world_size, backend, port, timeout_s, threads, conn, stack_out, parent_pid, pdeathsig, environ):
     """Entry point of a rank process (module level, so spawn finds it without the user's __main__).
     ``parent_pid``: the process that started this one, which it dies with (None: whichever forked it,
     the fork server); ``environ``: the caller's environment when it started the rank."""
     os.environ.clear()
     os.environ.update(environ)
     _guard_parent(parent_pid, pdeathsig)
+    stacks.answer_when_asked(stack_out)           # asked when the parent gives up waiting
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     server = _Server(conn)
     sys.stdout, sys.stderr = server.out, server.err
