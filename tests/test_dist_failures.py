@@ -189,3 +189,14 @@ def test_a_timeout_says_where_each_rank_was(no_new_children):
     message = str(info.value)
     assert "rank 1 at " in message and "in loops_on_rank_1: `while dist.get_rank() == 1:`" in message, message
     assert "rank 0 at " in message and "in loops_on_rank_1: `dist.barrier()`" in message, message
+
+
+def test_asking_a_rank_that_died_for_its_stack_does_not_wait_on_its_closed_pipe():
+    """A rank asked before it registered for the signal dies of it: its pipe is at its end, read as nothing."""
+    import multiprocessing
+    from tplab.distributed import stacks
+    read_end, write_end = multiprocessing.Pipe(duplex=False)
+    write_end.close()
+    start = time.monotonic()
+    assert stacks.where({0: 2 ** 22 + 12345}, {0: read_end}) == ""       # no such pid: nothing is signalled
+    assert time.monotonic() - start < 2

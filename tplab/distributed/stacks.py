@@ -36,10 +36,14 @@ def where(pids: dict[int, int], read_ends: dict, wait_s: float = 1.0) -> str:
 
 
 def _read_all(conn, wait_s: float) -> str:
-    """What a rank wrote: faulthandler writes a stack a few bytes at a time, so read until a pause."""
+    """What a rank wrote: faulthandler writes a stack a few bytes at a time, so read until a pause, or the end of
+    the pipe (a rank that died, e.g. of the signal itself before it had registered for it)."""
     chunks, wait = [], wait_s
     while conn.poll(wait):
-        chunks.append(os.read(conn.fileno(), 1 << 16))
+        chunk = os.read(conn.fileno(), 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
         wait = 0.2
     return b"".join(chunks).decode(errors="replace")
 
