@@ -71,6 +71,11 @@ def divide(numerator: int, denominator: int, what: str = "size", by: str = "tp_s
     return numerator // denominator
 
 
+def cdiv(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` in integers: the rows each rank takes when they need not divide."""
+    return -(-numerator // denominator)
+
+
 def _tp_group(tp_size: int) -> tuple[object, Layout | None]:
     """The process group a collective over ``tp_size`` ranks runs on, and the layout it belongs to."""
     layout = current_layout()

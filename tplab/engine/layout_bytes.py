@@ -14,6 +14,7 @@ experts over all ``d t`` ranks, tokens exchanged by all-to-all). Per forward of 
 (H hidden size, L layers of which M are MoE layers, E experts, k per token, V vocabulary, b bytes per element.)
 """
 from tplab.distributed.launcher import launch
+from tplab.distributed.parallel_state import cdiv
 from tplab.engine.config import engine_config
 from tplab.models.qwen_moe import is_moe_layer
 from tplab.models.registry import has_experts
@@ -32,10 +33,10 @@ def expected_bytes(config, tokens: int, tensor_parallel_size: int = 1, data_para
     if t > 1:
         out["all_reduce"] = (1 + 2 * layers) * tokens * hidden * b
         if sampled:
-            out["all_gather"] = sampled * -(-config.vocab_size // t) * b
+            out["all_gather"] = sampled * cdiv(config.vocab_size, t) * b
     if d > 1 and moe:
         out["all_gather"] = out.get("all_gather", 0) + forwards * moe * config.num_experts * 8
-        out["all_to_all"] = 2 * moe * -(-tokens // t) * config.num_experts_per_tok * hidden * b
+        out["all_to_all"] = 2 * moe * cdiv(tokens, t) * config.num_experts_per_tok * hidden * b
     return out
 
 

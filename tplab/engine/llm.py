@@ -16,6 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tplab.distributed.launcher import RankGroup
+from tplab.distributed.parallel_state import cdiv
 from tplab.engine.config import check_sendable, engine_config
 from tplab.engine.data_parallel import in_prompt_order, split_prompts
 from tplab.engine.sampling import SamplingParams
@@ -282,7 +283,7 @@ class LLM:
             if total > limit:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens + max_tokens {p.max_tokens} = "
                                  f"{total} > max_position_embeddings {limit}: shorten the prompt or lower max_tokens")
-            needed = -(-total // block_size)      # blocks, rounded up
+            needed = cdiv(total, block_size)                  # blocks, rounded up
             if needed > blocks:                   # it could never run, even alone: refuse instead of hanging
                 raise ValueError(f"prompt {i} needs {needed} KV blocks of {block_size} tokens for "
                                  f"{len(ids)} prompt tokens + max_tokens {p.max_tokens}, but the cache has {blocks}{share}: "

@@ -13,7 +13,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from tplab.distributed.parallel_state import dp_any, init_model_parallel, pp_rank_and_size, tp_rank_and_size
+from tplab.distributed.parallel_state import cdiv, dp_any, init_model_parallel, pp_rank_and_size, tp_rank_and_size
 from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
 from tplab.engine.malloc import keep_freed_memory
@@ -101,7 +101,7 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
     if cfg.cuda_graphs and cfg.kv_cache_memory is None:        # the graphs' pool comes out of the same memory
         budget -= graph_memory_for(cfg)
     budget //= pp
-    useful = cfg.max_num_seqs * -(-cfg.hf_config.max_position_embeddings // cfg.block_size)
+    useful = cfg.max_num_seqs * cdiv(cfg.hf_config.max_position_embeddings, cfg.block_size)
     blocks = torch.tensor(min(budget // spec.bytes_per_block(), useful))
     if cfg.kv_cache_memory is not None:
         _check_free(int(blocks) * pp * spec.bytes_per_block(), device, f"kv_cache_memory={cfg.kv_cache_memory:,}")
@@ -134,7 +134,7 @@ def static_decode_builder(cfg: EngineConfig, device: torch.device):
 
 def static_max_blocks(cfg: EngineConfig) -> int:
     """The widest block table a decode step at fixed shapes takes: the model's length, at most ``MAX_CONTEXT``."""
-    return -(-min(cfg.hf_config.max_position_embeddings, MAX_CONTEXT) // cfg.block_size)
+    return cdiv(min(cfg.hf_config.max_position_embeddings, MAX_CONTEXT), cfg.block_size)
 
 
 def graph_memory_for(cfg: EngineConfig) -> int:

@@ -64,10 +64,10 @@ class ModelRunner:
     ``num_engines`` the batches in flight under pipeline parallelism, each with its own ``num_blocks`` blocks
     (``kv_caches_of[v]``); ``kv_caches[i]`` is layer i's cache of the first, the only one without PP."""
 
-    def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions=token_positions,
+    def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions_of=token_positions,
                  kv_layers=None, num_engines: int = 1, static_decode=None):
         self.model, self.device = model, torch.device(device)
-        self.positions_of = positions               # Parts.positions: a sequence's token positions this step
+        self.positions_of = positions_of            # Parts.positions: checked against the cache, which decides
         self.num_blocks = num_blocks                # the block manager's; a static decode adds a scratch block
         kv_layers = range(spec.num_layers) if kv_layers is None else kv_layers
         num_layers = max(spec.num_layers, max(kv_layers, default=-1) + 1)
@@ -76,8 +76,9 @@ class ModelRunner:
                              for _ in range(num_engines)]
         self.kv_caches = self.kv_caches_of[0]
         self.metadata = MetadataBuilder(spec.block_size, self.device)
-        # static_decode(model, kv_caches, scratch_block, positions): the decode steps at fixed shapes, or None
-        self.static = None if static_decode is None else static_decode(model, self.kv_caches, num_blocks, positions)
+        # static_decode(model, kv_caches, scratch_block, positions_of): the decode steps at fixed shapes, or None
+        self.static = (None if static_decode is None
+                       else static_decode(model, self.kv_caches, num_blocks, positions_of))
 
     def kv_cache_bytes(self) -> int:
         return sum(kv_cache_bytes([kv for kv in caches if kv is not None]) for caches in self.kv_caches_of)

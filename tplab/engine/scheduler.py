@@ -5,9 +5,10 @@ Every step has a budget of ``max_num_batched_tokens`` tokens, which bounds a for
 The running sequences come first, oldest first: each decodes one token, or takes its prompt's next chunk.
 Waiting prompts then join while there are sequence slots, budget and free blocks; a prompt longer than the
 budget left starts with a chunk and continues in the next steps, beside the others' decodes (vLLM's default
-scheduling). Only the step that feeds a sequence's last uncached token samples a token for it. After the
-step, ``postprocess`` is the one place where a sequence's state changes (the block manager's own
-``block_table`` and ``num_cached_tokens`` bookkeeping aside).
+scheduling). Only the step that feeds a sequence's last uncached token samples a token for it.
+``schedule`` only sets how many tokens each sequence feeds (and, at admission, how many it prefills); after
+the step, ``postprocess`` is the one place where its tokens and its count of cached tokens change (the block
+manager's own prefix-cache bookkeeping aside).
 
 When the blocks run out, the most recently admitted running sequence that is not in the middle of its
 prefill is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
@@ -52,20 +53,7 @@ class Scheduler:
             if budget == 0:                     # no tokens left this step: it keeps its blocks and waits
                 self.running.append(seq)
                 continue
-            while not bm.can_append(seq):       # make room: preempt the newest, possibly seq itself
-                # Never a prompt in the middle of its prefill: with prefix caching the block manager registers
-                # a prompt's full blocks when it allocates them, and they are all computed by the end of its
-                # last chunk's step (a layer writes a step's K/V before any sequence of the step reads them);
-                # a waiting prompt joins only when every running prompt is fully scheduled, so a prefix hit
-                # never reads a block not yet computed. Freeing a half-computed prompt would leave registered
-                # blocks that were never computed.
-                victim = next((s for s in reversed(queue) if not s.prefilling), seq)
-                if victim is not seq:
-                    queue.remove(victim)
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
+            if self._make_room(seq, queue):
                 bm.may_append(seq)
                 budget -= self._take(seq, budget)
                 self.running.append(seq)
@@ -81,6 +69,23 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
             scheduled.append(seq)
         return scheduled
+
+    def _make_room(self, seq: Sequence, queue: list[Sequence]) -> bool:
+        """Preempt the newest sequences still in ``queue`` until ``seq`` can append, or ``seq`` itself when no
+        other is left: whether ``seq`` still runs.
+
+        Never a prompt in the middle of its prefill: with prefix caching the block manager registers a prompt's
+        full blocks when it allocates them, and they are all computed by the end of its last chunk's step (a
+        layer writes a step's K/V before any sequence of the step reads them); a waiting prompt joins only when
+        every running prompt is fully scheduled, so a prefix hit never reads a block not yet computed. Freeing
+        a half-computed prompt would leave registered blocks that were never computed."""
+        while not self.block_manager.can_append(seq):
+            victim = next((s for s in reversed(queue) if not s.prefilling), seq)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+            queue.remove(victim)
+        return True
 
     @staticmethod
     def _take(seq: Sequence, budget: int) -> int:

@@ -42,10 +42,10 @@ class StaticDecode:
     eager warm-up), and replay it from then on; without, run the padded step eagerly (CPU, or a check).
     ``scratch_block``: a KV block the block manager never hands out, for the padding rows."""
 
-    def __init__(self, model, kv_caches, scratch_block: int, positions, *, block_size: int, max_num_seqs: int,
+    def __init__(self, model, kv_caches, scratch_block: int, positions_of, *, block_size: int, max_num_seqs: int,
                  max_blocks: int, device: torch.device, graphs: bool):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
-        self.positions_of, self.scratch_block, self.device = positions, scratch_block, torch.device(device)
+        self.positions_of, self.scratch_block, self.device = positions_of, scratch_block, torch.device(device)
         self.batch_sizes, self.widths = buckets(max_num_seqs), buckets(max_blocks)
         n, w = self.batch_sizes[-1], self.widths[-1]
         long = dict(dtype=torch.long, device=self.device)

@@ -10,7 +10,7 @@ from torch import nn
 from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.linear_method import UsesLinearMethod
 from tplab.layers.weights import copy_into, expect_shape
-from tplab.distributed.parallel_state import all_gather, all_reduce, tp_rank_and_size
+from tplab.distributed.parallel_state import all_gather, all_reduce, cdiv, tp_rank_and_size
 
 
 class VocabParallelEmbedding(nn.Module, ReturnsPartialSums):
@@ -36,7 +36,7 @@ class VocabParallelEmbedding(nn.Module, ReturnsPartialSums):
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.reduce_results = reduce_results
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.per_rank = -(-num_embeddings // self.tp_size)          # ceil: the padded vocab / tp_size
+        self.per_rank = cdiv(num_embeddings, self.tp_size)          # ceil: the padded vocab / tp_size
         self.vocab_start = self.tp_rank * self.per_rank
         self.num_real_rows = max(0, min(self.per_rank, num_embeddings - self.vocab_start))
         self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)

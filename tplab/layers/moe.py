@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.distributed.parallel_state import (all_reduce, all_to_all, divide, dp_rank_and_size, ep_all_gather,
+from tplab.distributed.parallel_state import (all_reduce, all_to_all, cdiv, divide, dp_rank_and_size, ep_all_gather,
                                              tp_rank_and_size)
 from tplab.layers.linear_method import UsesProducts
 from tplab.layers.weights import copy_into, expect_shape
@@ -163,7 +163,7 @@ class FusedMoE(nn.Module, UsesProducts):
     def token_share(self, num_tokens: int) -> slice:
         """The rows of a step's tokens this TP rank sends to the experts under data parallelism: its ``1 / t``
         (every TP rank of a DP rank holds the same tokens; each sends a share, so none is sent twice)."""
-        per_rank = -(-num_tokens // self.tp_size)
+        per_rank = cdiv(num_tokens, self.tp_size)
         start = min(num_tokens, self.tp_rank * per_rank)
         return slice(start, min(num_tokens, start + per_rank))
 

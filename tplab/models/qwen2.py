@@ -26,7 +26,7 @@ the MoE models (``qwen_moe.py``) are these classes with another attention or MLP
 import torch
 from torch import nn
 
-from tplab.distributed.parallel_state import tp_rank_and_size
+from tplab.distributed.parallel_state import cdiv, tp_rank_and_size
 from tplab.layers.activation import SiluAndMul
 from tplab.layers.linear import ReturnsPartialSums
 from tplab.layers.metadata import AttentionMetadata
@@ -178,7 +178,7 @@ class Qwen2Model(nn.Module):
     def boundary_rows(self, num_tokens: int) -> int:
         """Rows of the ``(hidden, residual)`` a stage sends for a step of ``num_tokens`` tokens: all of them,
         or this rank's T / t (padded) under sequence parallelism."""
-        return -(-num_tokens // self.tp_size) if self.sequence_parallel else num_tokens
+        return cdiv(num_tokens, self.tp_size) if self.sequence_parallel else num_tokens
 
     def forward_stage(self, input_ids, received, kv_caches, meta):
         """This pipeline stage's share of ``forward``. ``input_ids`` ``(T,)``: the step's tokens (every stage

@@ -19,7 +19,7 @@ keeps these three methods.
 import torch
 import torch.nn.functional as F
 
-from tplab.distributed.parallel_state import all_gather, reduce_scatter
+from tplab.distributed.parallel_state import all_gather, cdiv, reduce_scatter
 
 
 class SequenceParallelNormRegion:
@@ -28,7 +28,7 @@ class SequenceParallelNormRegion:
 
     def __init__(self, num_tokens: int, tp_rank: int, tp_size: int):
         self.num_tokens, self.tp_rank, self.tp_size = num_tokens, tp_rank, tp_size
-        self.per_rank = -(-num_tokens // tp_size)           # ceil(T / t)
+        self.per_rank = cdiv(num_tokens, tp_size)           # ceil(T / t)
         self.padded = self.per_rank * tp_size
 
     def _pad(self, x: torch.Tensor) -> torch.Tensor:
