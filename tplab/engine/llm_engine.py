@@ -18,8 +18,8 @@ from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import KVCacheSpec, ModelRunner
-from tplab.engine.data_parallel import DataParallelStage
-from tplab.engine.pipeline_loop import OneStage, PipelineLoop, check_stages
+from tplab.engine.data_parallel import LockstepLoop
+from tplab.engine.pipeline_loop import InFlight, PipelineLoop, PlainLoop, check_stages
 from tplab.engine.progress import Progress
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
@@ -168,16 +168,17 @@ class LLMEngine:
             compile_model(self.model, eager_because=why_not)
         spec = kv_cache_spec(cfg, num_layers=len(stage.kv_cache_layers))
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
-                                  cfg.parts.positions, stage.kv_cache_layers, num_engines=pp,
+                                  cfg.parts.positions, stage.kv_cache_layers, num_virtual_engines=pp,
                                   static_decode=static_decode_builder(cfg, self.device))
         # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
         self.schedulers = [self._scheduler() for _ in range(pp)]
         self.scheduler = self.schedulers[0]                                # the only one without PP
         # an MoE model's DP ranks step together: one with nothing to run joins the experts' exchanges
         self.lockstep = steps_in_lockstep(cfg.hf_config, cfg.data_parallel_size)
-        self.stages = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype, self.lockstep) if pp > 1
-                       else DataParallelStage(self.runner) if self.lockstep else OneStage(self.runner))
-        self.in_flight: list[tuple[int, list[Sequence]] | None] = [None] * pp   # (tick scheduled, batch) per engine
+        # how a step runs the batches in flight: through this rank's pipeline stage, or all of it at once
+        self.loop = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype, self.lockstep) if pp > 1
+                     else LockstepLoop(self.runner) if self.lockstep else PlainLoop(self.runner))
+        self.in_flight: list[InFlight | None] = [None] * pp                # per virtual engine
         self.num_ticks = self.num_idle = 0
         self.num_steps = 0                 # batches run to the end (postprocessed)
 
@@ -202,7 +203,7 @@ class LLMEngine:
         seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, p, sp in zip(indices, prompts, params)]
         bar = Progress(seqs) if use_tqdm and (not dist.is_initialized() or dist.get_rank() == 0) else None
         self.runner.metadata.clear()           # sequence ids start again at 0 in every call
-        self.stages.timeline = []
+        self.loop.timeline = []
         for seq in seqs:
             self.add_request(seq)
         try:
@@ -240,15 +241,15 @@ class LLMEngine:
         v = tick % p
         if self.in_flight[v] is None and self.schedulers[v].has_work():
             batch = self.schedulers[v].schedule()                          # 1. schedule
-            self.in_flight[v] = (tick, batch) if batch else None
+            self.in_flight[v] = InFlight(tick, batch) if batch else None
         self.num_idle = self.num_idle + 1 if self.has_unfinished() and not any(self.in_flight) else 0
         if self.num_idle > p:
             raise RuntimeError("requests are left but no scheduler could schedule a batch")
-        done = self.stages.run(tick, self.in_flight)                       # 2. run: (engine, sampled tokens)
+        done = self.loop.run(tick, self.in_flight)                         # 2. run: (engine, sampled tokens)
         if done is None:
             return []
         v, tokens = done
-        (_, batch), self.in_flight[v] = self.in_flight[v], None
+        batch, self.in_flight[v] = self.in_flight[v].batch, None
         self.num_steps += 1
         return self.schedulers[v].postprocess(batch, tokens)               # 3. postprocess
 
@@ -267,7 +268,7 @@ class LLMEngine:
 
     def timeline(self) -> list[dict]:
         """This rank's ticks of the last ``generate`` under pipeline parallelism (``PipelineLoop.timeline``)."""
-        return [dataclasses.asdict(t) for t in self.stages.timeline]
+        return [dataclasses.asdict(t) for t in self.loop.timeline]
 
     def _generator(self, index: int, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:

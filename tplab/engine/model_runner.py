@@ -61,11 +61,11 @@ class ModelRunner:
     """Owns the model shard and its KV cache on one rank; ``step`` runs prefill chunks and decodes alike.
 
     ``kv_layers`` (default: every layer) are the layers this rank keeps a cache for (a pipeline stage's own), and
-    ``num_engines`` the batches in flight under pipeline parallelism, each with its own ``num_blocks`` blocks
+    ``num_virtual_engines`` the batches in flight under pipeline parallelism, each with its own ``num_blocks`` blocks
     (``kv_caches_of[v]``); ``kv_caches[i]`` is layer i's cache of the first, the only one without PP."""
 
     def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions_of=token_positions,
-                 kv_layers=None, num_engines: int = 1, static_decode=None):
+                 kv_layers=None, num_virtual_engines: int = 1, static_decode=None):
         self.model, self.device = model, torch.device(device)
         self.positions_of = positions_of            # Parts.positions: checked against the cache, which decides
         self.num_blocks = num_blocks                # the block manager's; a static decode adds a scratch block
@@ -73,7 +73,7 @@ class ModelRunner:
         num_layers = max(spec.num_layers, max(kv_layers, default=-1) + 1)
         allocated = num_blocks + (static_decode is not None)
         self.kv_caches_of = [spread(spec.allocate(allocated, self.device), kv_layers, num_layers)
-                             for _ in range(num_engines)]
+                             for _ in range(num_virtual_engines)]
         self.kv_caches = self.kv_caches_of[0]
         self.metadata = MetadataBuilder(spec.block_size, self.device)
         # static_decode(model, kv_caches, scratch_block, positions_of): the decode steps at fixed shapes, or None

@@ -11,11 +11,19 @@ blocks whose chunk its own scheduler has already scheduled.
 """
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from tplab.distributed.parallel_state import broadcast_in_replica
+from tplab.engine.sequence import Sequence
+
+
+class InFlight(NamedTuple):
+    """A virtual engine's batch between its schedule and its postprocess (``LLMEngine.in_flight[v]``)."""
+    tick: int                      # the tick it was scheduled in: stage s runs it at tick + s
+    batch: list[Sequence]
 
 
 @dataclass(frozen=True)
@@ -52,19 +60,18 @@ def check_stages(stage, num_layers: int, tp_size: int) -> None:
         raise ValueError(f"the pipeline stages own layers 0..{end - 1} but the model has {num_layers}")
 
 
-class OneStage:
+class PlainLoop:
     """Every layer on this rank (no pipeline): the batch scheduled in a step runs, and is sampled, in that step."""
 
     def __init__(self, runner):
         self.runner = runner
         self.timeline: list[Tick] = []                     # ticks are a pipeline's; one stage keeps none
 
-    def run(self, tick: int, in_flight: list) -> tuple[int, list] | None:
+    def run(self, tick: int, in_flight: list[InFlight | None]) -> tuple[int, list] | None:
         """Run the batch scheduled at ``tick``; ``(0, its sampled tokens)``, None if nothing was scheduled."""
         if in_flight[0] is None:
             return None
-        _, batch = in_flight[0]
-        return 0, self.runner.step(batch)
+        return 0, self.runner.step(in_flight[0].batch)
 
 
 class PipelineLoop:
@@ -76,28 +83,28 @@ class PipelineLoop:
         self.lockstep = lockstep         # an MoE model under DP: an idle tick joins its MoE layers' exchanges
         self.timeline: list[Tick] = []
 
-    def run(self, tick: int, in_flight: list) -> tuple[int, list] | None:
+    def run(self, tick: int, in_flight: list[InFlight | None]) -> tuple[int, list] | None:
         """This stage's part of tick ``tick``: the batch of virtual engine ``(tick - stage) mod p``, if it reached
-        this stage now. ``in_flight[v]`` is ``(the tick it was scheduled, batch)`` or None. Returns ``(v, tokens)``
+        this stage now (``in_flight[v]``: None when v has nothing in flight). Returns ``(v, tokens)``
         for the batch the last stage finished this tick, the tokens shared with every rank; None if none did."""
         p, s = len(in_flight), self.stage.pp_rank
         v = (tick - s) % p
         sampled = self._tick(tick, in_flight[v], v)
         last = (tick - p + 1) % p                           # the engine whose batch the last stage ran
         job = in_flight[last]
-        if job is None or job[0] != tick - p + 1:
+        if job is None or job.tick != tick - p + 1:
             return None
-        return last, self._share(job[1], sampled)
+        return last, self._share(job.batch, sampled)
 
-    def _tick(self, tick: int, job, v: int):
+    def _tick(self, tick: int, job: InFlight | None, v: int):
         """This stage's part of tick ``tick``: the batch of virtual engine ``v`` if it reached this stage now."""
         start, stage = time.monotonic(), self.stage
-        if job is None or job[0] != tick - stage.pp_rank:
-            if self.lockstep:                                # its MoE layers with no tokens, as DataParallelStage
+        if job is None or job.tick != tick - stage.pp_rank:
+            if self.lockstep:                                # its MoE layers with no tokens, as LockstepLoop
                 self.runner.model.dummy_forward()
             self.timeline.append(Tick(tick, stage.pp_rank, None, 0, start, start, time.monotonic()))
             return None
-        seqs = job[1]
+        seqs = job.batch
         input_ids, meta = self.runner.prepare(seqs)
         received = None
         if not stage.has_embedding:                          # (rows, E) twice from the previous stage
