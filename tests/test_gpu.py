@@ -15,7 +15,7 @@ import torch
 
 from tplab import LLM, SamplingParams, launch, models
 from tplab import tolerance, workbook
-from tplab.engine.llm_engine import graph_memory_for
+from tplab.engine.kv_cache import graph_memory_for
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the functions below run in ranks
 

@@ -114,7 +114,7 @@ class EngineConfig:
     # paged KV cache and continuous batching
     block_size: int = 16               # tokens per KV block
     num_kv_blocks: int | None = None   # None: as many as kv_cache_memory allows (under PP: split by p)
-    kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: llm_engine.kv_cache_budget
+    kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: kv_cache.kv_cache_budget
     max_num_seqs: int = 16             # sequences in flight per step
     max_num_batched_tokens: int | None = None  # tokens per step (a longer prompt is prefilled in chunks);
                                         # None: default_batched_tokens(device, hf_config)

@@ -9,30 +9,27 @@ serves its own requests; an MoE model's DP ranks step together (``tplab.engine.d
 import dataclasses
 import functools
 
-import psutil
 import torch
 import torch.distributed as dist
 
-from tplab.distributed.parallel_state import cdiv, dp_any, init_model_parallel, pp_rank_and_size, tp_rank_and_size
+from tplab.distributed.parallel_state import dp_any, init_model_parallel, pp_rank_and_size, tp_rank_and_size
 from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
-from tplab.engine.malloc import keep_freed_memory
-from tplab.engine.model_runner import KVCacheSpec, ModelRunner
 from tplab.engine.data_parallel import LockstepLoop
+from tplab.engine.kv_cache import kv_cache_spec, num_kv_blocks, static_max_blocks
+from tplab.engine.malloc import keep_freed_memory
+from tplab.engine.model_runner import ModelRunner
 from tplab.engine.pipeline_loop import InFlight, PipelineLoop, PlainLoop, check_stages
 from tplab.engine.progress import Progress
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
-from tplab.engine.static_decode import MAX_CONTEXT, graph_memory_bound
-from tplab.models.loader import LoadReport, checkpoint_names
-from tplab.models.pipeline import other_stages_names
-from tplab.layers.attention import kv_cache_shape
 from tplab.kernels.gemm import one_row_keeps_plain
 from tplab.layers.linear_method import process_weights_after_loading
-from tplab.models.qwen2 import Qwen2ForCausalLM, head_dim_of, local_head_counts
+from tplab.models.loader import LoadReport, checkpoint_names
+from tplab.models.pipeline import other_stages_names
+from tplab.models.qwen2 import Qwen2ForCausalLM
 from tplab.models.registry import model_class, steps_in_lockstep
-
 
 def eos_token_ids(hf_config) -> frozenset[int]:
     eos = getattr(hf_config, "eos_token_id", None)
@@ -70,59 +67,6 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     return model.eval(), report
 
 
-def kv_cache_spec(cfg: EngineConfig, num_layers: int | None = None) -> KVCacheSpec:
-    """One rank's KV cache layout, from the config and the attention part's ``kv_cache_shape``, for
-    ``num_layers`` layers (default: all; a pipeline stage: those it keeps a cache for)."""
-    hf = cfg.hf_config
-    heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
-    block_shape = kv_cache_shape(cfg.parts.attention, 1, cfg.block_size, heads, kv_heads, head_dim_of(hf))[1:]
-    return KVCacheSpec(num_layers or hf.num_hidden_layers, cfg.block_size, block_shape, cfg.dtype)
-
-
-def kv_cache_budget(device: torch.device, num_ranks: int) -> int:
-    """Default bytes for one rank's KV cache: on a GPU 90% of the memory still free after the weights (vLLM
-    instead takes ``gpu_memory_utilization`` of the total, less weights, activations and graphs); on CPU a
-    tenth of the available RAM shared by the ranks, at most 4 GiB."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
-    return min(psutil.virtual_memory().available // 10 // num_ranks, 4 << 30)
-
-
-def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """Blocks for each batch in flight on this rank (one batch, or one per pipeline stage, each with its own
-    share): from ``num_kv_blocks`` or the memory budget, never more than ``max_num_seqs`` sequences of
-    ``max_position_embeddings`` tokens can use, and the same on every rank."""
-    pp = cfg.pipeline_parallel_size
-    if cfg.num_kv_blocks is not None:       # at least pp: engine.config checks
-        _check_free(cfg.num_kv_blocks * spec.bytes_per_block(), device, f"num_kv_blocks={cfg.num_kv_blocks}")
-        return cfg.num_kv_blocks // pp
-    budget = cfg.kv_cache_memory or kv_cache_budget(device, cfg.world_size)
-    if cfg.cuda_graphs and cfg.kv_cache_memory is None:        # the graphs' pool comes out of the same memory
-        budget -= graph_memory_for(cfg)
-    budget //= pp
-    useful = cfg.max_num_seqs * cdiv(cfg.hf_config.max_position_embeddings, cfg.block_size)
-    blocks = torch.tensor(min(budget // spec.bytes_per_block(), useful))
-    if cfg.kv_cache_memory is not None:
-        _check_free(int(blocks) * pp * spec.bytes_per_block(), device, f"kv_cache_memory={cfg.kv_cache_memory:,}")
-    if dist.is_initialized():  # ranks must agree, or their schedulers would diverge
-        dist.all_reduce(blocks, op=dist.ReduceOp.MIN)
-    if blocks < 1:
-        raise ValueError(f"a KV cache budget of {budget} bytes holds no block of {cfg.block_size} tokens; "
-                         "raise kv_cache_memory or lower block_size")
-    return int(blocks)
-
-
-def _check_free(nbytes: int, device: torch.device, setting: str) -> None:
-    """Refuse a KV cache the device's free memory cannot hold: zero-filling it would end in the out-of-memory
-    killer (a lost notebook kernel) or CUDA's error, not in a message."""
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-    if nbytes > free:
-        raise ValueError(f"{setting} makes a KV cache of {nbytes:,} bytes on each rank, more than the {free:,} "
-                         "free: ask for less, or leave num_kv_blocks and kv_cache_memory unset to size the cache "
-                         "from the free memory")
-
-
 def static_decode_builder(cfg: EngineConfig, device: torch.device):
     """``Parts.static_decode`` with the config's sizes, for ``ModelRunner`` to build over its KV cache (None
     where decode steps run eagerly at their own shapes)."""
@@ -130,20 +74,6 @@ def static_decode_builder(cfg: EngineConfig, device: torch.device):
         return None
     return functools.partial(cfg.parts.static_decode, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                              max_blocks=static_max_blocks(cfg), device=device, graphs=cfg.cuda_graphs)
-
-
-def static_max_blocks(cfg: EngineConfig) -> int:
-    """The widest block table a decode step at fixed shapes takes: the model's length, at most ``MAX_CONTEXT``."""
-    return cdiv(min(cfg.hf_config.max_position_embeddings, MAX_CONTEXT), cfg.block_size)
-
-
-def graph_memory_for(cfg: EngineConfig) -> int:
-    """``static_decode.graph_memory_bound`` for this rank's shard of the model."""
-    hf = cfg.hf_config
-    heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
-    return graph_memory_bound(cfg.max_num_seqs, static_max_blocks(cfg), cfg.block_size,
-                              hf.hidden_size, hf.intermediate_size // cfg.tensor_parallel_size, heads, kv_heads,
-                              head_dim_of(hf), cfg.dtype)
 
 
 class LLMEngine:
