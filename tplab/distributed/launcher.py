@@ -180,7 +180,7 @@ class RankGroup:
 
     def run(self, fn, args=(), kwargs=None, timeout: float | None = None) -> list:
         """Call ``fn(*args, **kwargs)`` in every rank; return the per-rank results in rank order."""
-        return self._send("call", fn, args, kwargs, timeout)
+        return self._send("run", fn, args, kwargs, timeout)
 
     def create(self, factory, args=(), kwargs=None, timeout: float | None = None) -> None:
         """Make ``factory(*args, **kwargs)`` in every rank and keep it there for ``call``."""
@@ -189,7 +189,7 @@ class RankGroup:
     def call(self, method, args=(), kwargs=None, timeout: float | None = None) -> list:
         """``method(obj, *args, **kwargs)`` in every rank, ``obj`` the object ``create`` made there (e.g.
         ``group.call(Worker.generate, (prompts, params))``); the per-rank results in rank order."""
-        return self._send("method", method, args, kwargs, timeout)
+        return self._send("call", method, args, kwargs, timeout)
 
     def _send(self, kind: str, fn, args, kwargs, timeout: float | None) -> list:
         if self._ranks.stopped:

@@ -6,8 +6,9 @@ Layers take ``tp_rank``/``tp_size`` explicitly so that one process can build eve
 notebooks do); left as ``None`` they come from this stage's TP group, as inside a rank started by
 ``tplab.launch`` or ``torchrun``. How collectives travel (shared memory between CPU ranks of one host, else
 the process group) is decided once per group by ``init_tp_comm()`` or ``init_model_parallel(t, p, d)``
-(``tplab.distributed.layout``). ``count_collectives()`` records the collectives a block of code runs
-(notebook 00 counts a decode step's).
+(``tplab.distributed.layout``, which defines the groups and the ``*_rank_and_size`` readers; they are
+imported here so that a layer takes everything distributed from this one module, as vLLM's layers do).
+``count_collectives()`` records the collectives a block of code runs (notebook 00 counts a decode step's).
 """
 import contextlib
 import math
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tplab.distributed.layout import (Layout, current_layout, dp_rank_and_size, init_model_parallel,  # noqa: F401
+from tplab.distributed.layout import (Layout, current_layout, dp_rank_and_size, init_model_parallel,  # noqa: F401 (re-exported)
                                       init_tp_comm, pp_rank_and_size, tp_rank_and_size)
 from tplab.distributed.shm_comm import ShmComm
 

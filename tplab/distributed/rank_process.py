@@ -112,10 +112,11 @@ class _Server:
         self.send(reply)
         return reply[0] == "ok"
 
-    def call(self, kind: str, payload: bytes):
-        """One call from the parent; unpickled inside ``answer``, so a missing module is reported too."""
+    def dispatch(self, kind: str, payload: bytes):
+        """One request from the parent, named after the ``RankGroup`` method that sent it (``run``, ``create``,
+        ``call``); unpickled inside ``answer``, so a missing module is reported too."""
         fn, args, kwargs = cloudpickle.loads(payload)
-        if kind == "method":
+        if kind == "call":
             if self.resident is None:
                 raise RuntimeError(f"no object to call {getattr(fn, '__qualname__', fn)} on: RankGroup.create() first")
             return fn(self.resident, *args, **kwargs)
@@ -134,7 +135,7 @@ class _Server:
                 break
             if msg[0] == "close":
                 break
-            self.answer(lambda msg=msg: self.call(*msg))
+            self.answer(lambda msg=msg: self.dispatch(*msg))
         self.resident = None
 
 
