@@ -42,7 +42,7 @@ def test_metadata_of_a_mixed_step_reads_exactly_each_sequences_slots():
     assert meta.query_lens() == [1, 3, 2]
     dec = meta.decode                                               # A alone decodes: its 3 blocks, not padded
     assert dec.seqs == [0] and dec.blocks.tolist() == [3, 1, 4] and dec.num_blocks.tolist() == [3]
-    assert dec.hidden.tolist() == [[False] * 4, [False] * 4, [False, False, True, True]]
+    assert dec.past_end.tolist() == [[False] * 4, [False] * 4, [False, False, True, True]]
 
 
 def test_metadata_refuses_positions_that_disagree_with_the_cache():

@@ -10,7 +10,7 @@ from tplab.kernels import gemm
 from tplab.kernels.gemm import Gemm, onednn_available, packing_available
 from tplab.layers.embed_head import ParallelLMHead
 from tplab.layers.linear import LinearBase, RowParallelLinear
-from tplab.layers.linear_method import process_weights_after_loading
+from tplab.layers.linear_method import hand_out_linear_methods
 
 PACKING = Gemm(onednn=True, pack=True)
 needs_packing = pytest.mark.skipif(not packing_available(), reason="oneDNN fp32 weight packing is not available here")
@@ -96,7 +96,7 @@ def test_the_lm_head_packs_a_copy_when_needed_and_gives_the_same_logits(checkpoi
 @needs_packing
 def test_the_engine_processes_every_gemm_layer(checkpoint):
     model = load_model(checkpoint("gqa"))
-    assert process_weights_after_loading(model, PACKING) == 4 * model.config.num_hidden_layers + 1   # + the head
+    assert hand_out_linear_methods(model, PACKING) == 4 * model.config.num_hidden_layers + 1   # + the head
 
 
 @needs_packing
@@ -199,7 +199,7 @@ def test_with_mkl_for_few_rows_qkv_o_and_down_stay_plain_gate_up_packs_and_outpu
     model = load_model(checkpoint("gqa"), few_rows_mkl=False)      # the reference: oneDNN at every row count
     xs = [torch.randn(rows, model.config.hidden_size) for rows in (1, 2, 5)]
     plain = [run_layers(model, x) for x in xs]
-    assert process_weights_after_loading(model, FEW_ROWS_MKL) == model.config.num_hidden_layers + 1   # gate_up, head
+    assert hand_out_linear_methods(model, FEW_ROWS_MKL) == model.config.num_hidden_layers + 1   # gate_up, head
     for x, before in zip(xs, plain):
         for a, b in zip(run_layers(model, x), before):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -279,8 +279,8 @@ def test_an_engine_of_one_sequence_keeps_plain_fp32_weights_on_amd_and_matches_h
     vendor("AuthenticAMD")
     assert gemm.one_row_keeps_plain(torch.float32, 1)
     assert not gemm.one_row_keeps_plain(torch.float32, 2) and not gemm.one_row_keeps_plain(torch.bfloat16, 1)
-    chosen, process = [], llm_engine.process_weights_after_loading
-    monkeypatch.setattr(llm_engine, "process_weights_after_loading",
+    chosen, process = [], llm_engine.hand_out_linear_methods
+    monkeypatch.setattr(llm_engine, "hand_out_linear_methods",
                         lambda model, methods: chosen.append(methods) or process(model, methods))
     prompts, params = [[3, 17, 42, 99, 5], list(range(40, 71))], SamplingParams(temperature=0.0, max_tokens=10)
     for seqs, packs in ((1, False), (2, True)):

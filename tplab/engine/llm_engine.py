@@ -25,7 +25,7 @@ from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
 from tplab.kernels.gemm import one_row_keeps_plain
-from tplab.layers.linear_method import process_weights_after_loading
+from tplab.layers.linear_method import hand_out_linear_methods
 from tplab.models.loader import LoadReport, checkpoint_names
 from tplab.models.pipeline import other_stages_names
 from tplab.models.qwen2 import Qwen2ForCausalLM
@@ -63,7 +63,7 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     report = cfg.parts.load_weights(model, cfg.model, skip=skip)
     pack = pack and cfg.pack_weights and not one_row_keeps_plain(cfg.dtype, cfg.max_num_seqs)
     gemm = cfg.parts.gemm.choose(cfg.onednn, pack, cfg.dtype, cfg.few_rows_mkl)
-    process_weights_after_loading(model, gemm)
+    hand_out_linear_methods(model, gemm)
     return model.eval(), report
 
 

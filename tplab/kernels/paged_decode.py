@@ -25,22 +25,22 @@ def score_mask(dec: DecodeBlocks, num_heads: int, num_kv_heads: int) -> torch.Te
     one KV head, and nothing is wasted)."""
     key = (num_heads, num_kv_heads)
     if key not in dec.per_step:
-        device, bs = dec.hidden.device, dec.hidden.shape[-1]
+        device, bs = dec.past_end.device, dec.past_end.shape[-1]
         group = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)          # (H,)
         other_head = group[:, None] != torch.arange(num_kv_heads, device=device)              # (H, H_kv)
-        mask = dec.hidden.view(-1, 1, bs, 1) | other_head[None, :, None, :]                  # (nb, H, bs, H_kv)
+        mask = dec.past_end.view(-1, 1, bs, 1) | other_head[None, :, None, :]                  # (nb, H, bs, H_kv)
         dec.per_step[key] = mask.view(-1, num_heads, bs * num_kv_heads)
     return dec.per_step[key]
 
 
 def padded_bias(dec: DecodeBlocks | PaddedDecode, dtype: torch.dtype) -> torch.Tensor:
-    """For ``dense_decode`` and ``padded_decode``: ``padded_hidden`` as an additive mask, ``(Bd, 1, 1, L)`` in
+    """For ``dense_decode`` and ``padded_decode``: ``padded_past_end`` as an additive mask, ``(Bd, 1, 1, L)`` in
     ``dtype``: 0 where a slot holds a key, -inf elsewhere. Made by the first layer of a step and read by the
     others, on the device (no host data is read inside the forward: on a GPU that would make the host wait)."""
     key = ("bias", dtype)
     if key not in dec.per_step:
-        hidden = dec.padded_hidden
-        bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+        past_end = dec.padded_past_end
+        bias = torch.zeros(past_end.shape, dtype=dtype, device=past_end.device).masked_fill_(past_end, float("-inf"))
         dec.per_step[key] = bias[:, None, None, :]
     return dec.per_step[key]
 
@@ -57,14 +57,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     vb = v_cache.index_select(0, dec.blocks).view(-1, rows, d).to(dtype)
     qb = q.to(dtype).index_select(0, dec.block_seq)                # (nb, H, D): each block's sequence's query
     s = torch.baddbmm(qb.new_empty(()), qb, kb.transpose(1, 2), beta=0, alpha=scale)  # (nb, H, bs*H_kv)
-    hidden = score_mask(dec, h, k_cache.shape[2])
+    masked = score_mask(dec, h, k_cache.shape[2])
     # reductions over each sequence's blocks (they lie one sequence after another). unsafe: the lengths, built
     # by decode_blocks and each >= 1, go unchecked; the check costs 11 ops and, on a GPU, two host syncs
     per_seq = dict(lengths=dec.num_blocks, unsafe=True)
-    m = torch.segment_reduce(s.masked_fill_(hidden, float("-inf")).amax(-1), "max", **per_seq)     # (Bd, H)
+    m = torch.segment_reduce(s.masked_fill_(masked, float("-inf")).amax(-1), "max", **per_seq)     # (Bd, H)
     # exp of a score more than 80 below its row's max is under 2e-35, too small to change an fp32 sum
     # that holds the max's weight of 1; clamped there, exp never makes denormals (much slower)
-    p = (s - m.index_select(0, dec.block_seq).unsqueeze(-1)).clamp_min_(-80.0).exp_().masked_fill_(hidden, 0.0)
+    p = (s - m.index_select(0, dec.block_seq).unsqueeze(-1)).clamp_min_(-80.0).exp_().masked_fill_(masked, 0.0)
     den = torch.segment_reduce(p.sum(-1), "sum", **per_seq)                                      # (Bd, H)
     # index_add_: segment_reduce sums (nb, H, D) several times slower on CPU; on a GPU index_add_ adds with atomics,
     # in no fixed order, so two runs may differ in the last bit
@@ -84,19 +84,12 @@ def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     causal mask applies among them). SDPA computes in the query's dtype with fp32 softmax statistics, as
     HF's attention does. A single sequence needs no mask: its keys are sliced to its length.
     """
-    bd, h, d = q.shape
-    h_kv = k_cache.shape[2]
-    if bd == 1:
+    if q.shape[0] == 1:                  # its keys sliced to its length: no mask
         n = dec.context_lens[0]
         k = k_cache.index_select(0, dec.blocks).flatten(0, 1)[:n].transpose(0, 1)[None]   # (1, H_kv, Lk, D)
         v = v_cache.index_select(0, dec.blocks).flatten(0, 1)[:n].transpose(0, 1)[None]
-        bias = None
-    else:
-        table, bias = dec.padded_blocks.view(-1), padded_bias(dec, q.dtype)
-        k = k_cache.index_select(0, table).view(bd, -1, h_kv, d).transpose(1, 2)          # (Bd, H_kv, L, D)
-        v = v_cache.index_select(0, table).view(bd, -1, h_kv, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.view(bd, h_kv, h // h_kv, d), k, v, attn_mask=bias, scale=scale)
-    return o.reshape(bd, h, d)         # a GPU kernel may return (Bd, G, H_kv, D) in memory: reshape, not view
+        return _gqa_sdpa(q, k, v, None, scale)
+    return _padded_sdpa(q, k_cache, v_cache, dec.padded_blocks.view(-1), padded_bias(dec, q.dtype), scale)
 
 
 def padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: PaddedDecode,
@@ -105,13 +98,25 @@ def padded_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     blocks of its padded table, ``(Bp, W * bs)`` keys, under a mask of its length made from the lengths'
     tensor once a step (no host value is read, so the same kernels serve every step of the bucket)
     -> ``(Bp, H, D)``."""
-    bp, h, d = q.shape
-    h_kv, table = k_cache.shape[2], dec.block_tables.reshape(-1)
-    k = k_cache.index_select(0, table).view(bp, -1, h_kv, d).transpose(1, 2)      # (Bp, H_kv, L, D), L = W * bs
-    v = v_cache.index_select(0, table).view(bp, -1, h_kv, d).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.view(bp, h_kv, h // h_kv, d), k, v, attn_mask=padded_bias(dec, q.dtype),
-                                       scale=scale)
-    return o.reshape(bp, h, d)
+    return _padded_sdpa(q, k_cache, v_cache, dec.block_tables.reshape(-1), padded_bias(dec, q.dtype), scale)
+
+
+def _padded_sdpa(q, k_cache, v_cache, table: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """q ``(B, H, D)`` against the blocks ``table`` lists, W per row one row after another, read as
+    ``(B, H_kv, W * bs, D)`` keys; ``bias`` ``(B, 1, 1, W * bs)`` hides each row's slots past its end."""
+    b, (h_kv, d) = q.shape[0], k_cache.shape[2:]
+    k = k_cache.index_select(0, table).view(b, -1, h_kv, d).transpose(1, 2)      # (B, H_kv, W * bs, D)
+    v = v_cache.index_select(0, table).view(b, -1, h_kv, d).transpose(1, 2)
+    return _gqa_sdpa(q, k, v, bias, scale)
+
+
+def _gqa_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias, scale: float) -> torch.Tensor:
+    """One SDPA call: q ``(B, H, D)``, one decode query per row, against k, v ``(B, H_kv, L, D)`` -> ``(B, H, D)``.
+    GQA without repeating the KV heads: a KV head's G query heads are viewed as G queries of its row."""
+    b, h, d = q.shape
+    h_kv = k.shape[1]
+    o = F.scaled_dot_product_attention(q.view(b, h_kv, h // h_kv, d), k, v, attn_mask=bias, scale=scale)
+    return o.reshape(b, h, d)          # a GPU kernel may return (B, G, H_kv, D) in memory: reshape, not view
 
 
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -20,9 +20,9 @@ class DecodeBlocks:
     block_seq: torch.Tensor       # (nb,) long: which decode sequence (0 .. Bd-1) each block belongs to
     num_blocks: torch.Tensor      # (Bd,) long: blocks per decode sequence
     context_lens: list[int]       # Bd ints: keys of each decode sequence (cached + its new one)
-    hidden: torch.Tensor          # (nb, bs) bool: slots past the end of their sequence
+    past_end: torch.Tensor        # (nb, bs) bool: slots past the end of their sequence
     padded_blocks: torch.Tensor   # (Bd, nb_max) long: each sequence's blocks, padded with its last (a GPU's decode)
-    padded_hidden: torch.Tensor   # (Bd, nb_max * bs) bool: a slot past the end of its sequence, padding included
+    padded_past_end: torch.Tensor  # (Bd, nb_max * bs) bool: a slot past the end of its sequence, padding included
     per_step: dict = field(default_factory=dict, repr=False)  # what an attend makes of these once a step
 
 
@@ -46,11 +46,11 @@ def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: 
     for b, n in zip(seqs, counts):
         padded.append(block_tables[b][:n] + block_tables[b][n - 1:n] * (width - n))
     tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
-    hidden = torch.arange(block_size, device=device) >= tensor(filled)[:, None]          # (nb, bs)
+    past_end = torch.arange(block_size, device=device) >= tensor(filled)[:, None]        # (nb, bs)
     lens = [context_lens[b] for b in seqs]
     return DecodeBlocks(seqs, tensor(token_index), tensor(blocks),
                         torch.repeat_interleave(torch.arange(len(seqs), device=device), tensor(counts)),
-                        tensor(counts), lens, hidden, tensor(padded),
+                        tensor(counts), lens, past_end, tensor(padded),
                         torch.arange(width * block_size, device=device) >= tensor(lens)[:, None])
 
 
@@ -68,7 +68,7 @@ class PaddedDecode:
         return range(self.block_tables.shape[0])      # every row of the step is a decode
 
     @property
-    def padded_hidden(self) -> torch.Tensor:
+    def padded_past_end(self) -> torch.Tensor:
         """``(Bp, W * bs)`` bool: a slot past the end of its row's keys. Computed on the device from the lengths'
         tensor when read: inside a CUDA graph its kernels are recorded, and every replay computes it anew."""
         keys = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.context_lens.device)

@@ -29,7 +29,7 @@ class LinearMethod:
 class UsesLinearMethod:
     """Mixed into a layer that multiplies by its ``weight`` through ``self.linear_method.apply(self, x, bias)``
     (tplab's linear layers and LM head): after loading, the engine hands it a method of its own
-    (``process_weights_after_loading`` below). Until then it multiplies with plain ``F.linear``."""
+    (``hand_out_linear_methods`` below). Until then it multiplies with plain ``F.linear``."""
     linear_method: LinearMethod = LinearMethod()
 
 
@@ -40,16 +40,16 @@ class UsesProducts:
     linear_method: LinearMethod = LinearMethod()
 
 
-def process_weights_after_loading(model: nn.Module, methods) -> int:
+def hand_out_linear_methods(model: nn.Module, gemm) -> int:
     """After loading: give every ``UsesLinearMethod`` and ``UsesProducts`` layer of ``model`` its own
-    ``methods.method_for(name)`` (``name``: its module name, vLLM's ``prefix``, e.g.
-    ``model.layers.0.mlp.down_proj``), and let a linear layer's process its weight; how many of them will take
-    their layer's weight over."""
+    ``gemm.method_for(name)`` (``gemm``: ``Parts.gemm``, chosen for this machine; ``name``: its module name,
+    vLLM's ``prefix``, e.g. ``model.layers.0.mlp.down_proj``), and let a linear layer's process its weight;
+    how many of them will take their layer's weight over."""
     taken = 0
     for name, module in model.named_modules():
         if isinstance(module, UsesLinearMethod):
-            module.linear_method = methods.method_for(name)
+            module.linear_method = gemm.method_for(name)
             taken += bool(module.linear_method.process_weights_after_loading(module))
         elif isinstance(module, UsesProducts):
-            module.linear_method = methods.method_for(name)
+            module.linear_method = gemm.method_for(name)
     return taken
