@@ -101,7 +101,7 @@ def _collective(name: str, impl, x: torch.Tensor, tp_size: int, *args) -> torch.
     if tp_size == 1:
         return x
     group, layout = _tp_group(tp_size)
-    comm = layout.comm if layout is not None and layout.comm is not None and layout.comm.fits(x) else None
+    comm = _shm_if_fits(None if layout is None else layout.comm, x)
     if _recorders:
         return _recorded(name, x, comm, impl, x, comm, group, *args)
     return impl(x, comm, group, *args)
@@ -110,7 +110,12 @@ def _collective(name: str, impl, x: torch.Tensor, tp_size: int, *args) -> torch.
 def _shm_for(x: torch.Tensor) -> ShmComm | None:
     """The shared-memory communicator a collective on ``x`` would take, if any (tests ask)."""
     layout = current_layout()
-    return layout.comm if layout is not None and layout.comm is not None and layout.comm.fits(x) else None
+    return _shm_if_fits(None if layout is None else layout.comm, x)
+
+
+def _shm_if_fits(comm: ShmComm | None, x: torch.Tensor) -> ShmComm | None:
+    """``comm`` where ``x`` fits its shared-memory slots, else None: the process group carries it."""
+    return comm if comm is not None and comm.fits(x) else None
 
 
 def all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
@@ -202,7 +207,7 @@ def ep_all_gather(x: torch.Tensor, ep_size: int) -> torch.Tensor:
     if ep_size == 1:
         return x.unsqueeze(0)
     layout = _ep(ep_size)
-    comm = layout.ep_comm if layout.ep_comm is not None and layout.ep_comm.fits(x) else None
+    comm = _shm_if_fits(layout.ep_comm, x)
     run = lambda: _all_gather(x.unsqueeze(0), comm, layout.ep_group, ep_size, 0)   # noqa: E731
     return _recorded("all_gather", x, comm, run) if _recorders else run()
 
