@@ -4,14 +4,14 @@ run (``count_layout_bytes``) and from the formula (``expected_bytes``), so that 
 Layouts, with vLLM's settings: TP inside each expert (``tensor_parallel_size=t``), EP (``enable_expert_parallel``:
 the same collectives, whole experts per rank), and DP x EP (``data_parallel_size=d``: attention data-parallel, the
 experts over all ``d t`` ranks, tokens exchanged by all-to-all). Per forward of T tokens on a DP rank, TP rank r:
-    all_reduce   (1 + 2 L) T H b            the embedding, and each layer's attention and MLP/MoE block (t > 1)
+    all_reduce   (1 + 2 L) T E b            the embedding, and each layer's attention and MLP/MoE block (t > 1)
     all_gather   S ceil(V / t) b            the LM head's logits of the S sampled rows (t > 1);
-                 + M E 8                    under DP: each MoE layer's expert counts (int64), each forward
-    all_to_all   M T_r k H b                under DP: dispatch, T_r = this TP rank's share of the T tokens;
-                 + M R H b                  and combine, R the rows it received (on average T_r k: every pair
+                 + M X 8                    under DP: each MoE layer's expert counts (int64), each forward
+    all_to_all   M T_r k E b                under DP: dispatch, T_r = this TP rank's share of the T tokens;
+                 + M R E b                  and combine, R the rows it received (on average T_r k: every pair
                                             goes to one rank, its own a share 1 / (d t) of the time)
     dp_any       8 per step                 under DP: the DP ranks' check whether any has work
-(H hidden size, L layers of which M are MoE layers, E experts, k per token, V vocabulary, b bytes per element.)
+(E hidden size, L layers of which M are MoE layers, X experts, k per token, V vocabulary, b bytes per element.)
 """
 from tplab.distributed.launcher import launch
 from tplab.distributed.parallel_state import cdiv

@@ -48,7 +48,7 @@ class VllmCpuExperts(FusedMoE):
         weights, ids = self.select_experts(router_logits, x.dtype)          # (T, k): HF's weights, in x's dtype
         if self.packed is None:
             self.packed = self.pack()
-        out = torch.empty_like(x)                                           # (T, H)
+        out = torch.empty_like(x)                                           # (T, E)
         torch.ops._C.cpu_fused_moe(out, x.contiguous(), *self.packed, None, None, weights.float().contiguous(),
                                    ids.to(torch.int32).contiguous(), False, "silu", ISA)
         return all_reduce(out, self.tp_size) if self.reduce_results else out

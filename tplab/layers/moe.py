@@ -1,24 +1,24 @@
 """Mixture of experts on tensor-parallel ranks: vLLM's ``FusedMoE``, in plain torch.
 
-One MoE layer, on each rank (T tokens, hidden size H, E experts of intermediate size I, top k):
-    router_logits (T, E) = x @ gate.T                    # the router is replicated: every rank routes every token
+One MoE layer, on each rank (T tokens, hidden size E, X experts of intermediate size I, top k):
+    router_logits (T, X) = x @ gate.T                    # the router is replicated: every rank routes every token
     weights, ids  (T, k) = top-k of softmax(logits)      # in fp32 (renormalised or not), then x's dtype, as HF
     for each expert e this rank holds:                   # dispatch
         rows = the tokens that chose e                   # (n_e,)
-        y = down_e(silu(gate_e x[rows]) * up_e x[rows])  # (n_e, H)
+        y = down_e(silu(gate_e x[rows]) * up_e x[rows])  # (n_e, E)
         out[rows] += weight of e in each row * y         # combine
-    out (T, H): a partial sum, completed by one all-reduce
+    out (T, E): a partial sum, completed by one all-reduce
 
 Two placements, with vLLM's names. By default every rank holds every expert, each split by TP as a dense
 MLP is (gate and up column parallel over I, down row parallel), so ``out`` sums this rank's I / t columns
-of every expert. With ``enable_expert_parallel`` each rank holds E / t whole experts and runs only the
+of every expert. With ``enable_expert_parallel`` each rank holds X / t whole experts and runs only the
 tokens routed to them; every rank sees every token, so ``out`` sums this rank's experts. Either way one
 all-reduce completes it, and an MoE block adds its shared expert's partial sum before that one all-reduce.
 
 Under data parallelism (d DP ranks of t TP ranks, ``dp_size`` d) each DP rank has tokens of its own, and
-the E experts are spread over all d t ranks (E / (d t) each), so tokens travel (``forward_all_to_all``):
+the X experts are spread over all d t ranks (X / (d t) each), so tokens travel (``forward_all_to_all``):
     this TP rank's 1/t of its DP rank's tokens -> (token, expert) pairs sorted by expert = by owner rank
-    counts (E,) all-gathered -> everyone knows who sends whom how many rows (the traffic matrix)
+    counts (X,) all-gathered -> everyone knows who sends whom how many rows (the traffic matrix)
     all-to-all: each pair's x to its expert's rank (dispatch) -> the expert MLPs -> all-to-all back (combine)
     out[its tokens] += weight * y, in fp32; the other rows stay 0, and the block's TP all-reduce fills them.
 The dispatch and the combine are two functions (``all_to_all_dispatch``, ``all_to_all_combine``), the parts
@@ -36,7 +36,7 @@ from tplab.layers.weights import copy_into, expect_shape
 
 class ReplicatedLinear(nn.Module):
     """``y = x @ W.T`` with the whole ``(output_size, input_size)`` weight on every rank (vLLM's name): the
-    router ``gate`` ``(E, H)`` and Qwen2-MoE's ``shared_expert_gate`` ``(1, H)``. Small, so not split."""
+    router ``gate`` ``(X, E)`` and Qwen2-MoE's ``shared_expert_gate`` ``(1, E)``. Small, so not split."""
 
     def __init__(self, input_size: int, output_size: int):
         super().__init__()
@@ -54,16 +54,16 @@ class FusedMoE(nn.Module, UsesProducts):
       tp_rank=None, tp_size=None, enable_expert_parallel=False)``: full sizes; ``renormalize`` is HF's
       ``norm_topk_prob`` (the k weights divided by their sum). Under data parallelism the block also passes
       ``dp_rank`` and ``dp_size`` (None: this process's), and ``enable_expert_parallel`` is True.
-    - ``gate_up_proj``: ``(E_local, 2 I_local, H)``, each expert's rows laid out ``[gate | up]``, and
-      ``down_proj``: ``(E_local, H, I_local)``; both carry ``weight_loader``. Without expert parallelism
-      ``E_local = E`` and ``I_local = I / tp_size``; with it ``E_local = E / ep_size`` over ``ep_size = dp_size x
-      tp_size`` ranks (rank ``r = dp_rank x tp_size + tp_rank`` holds experts ``r E_local .. (r + 1) E_local - 1``)
+    - ``gate_up_proj``: ``(X_local, 2 I_local, E)``, each expert's rows laid out ``[gate | up]``, and
+      ``down_proj``: ``(X_local, E, I_local)``; both carry ``weight_loader``. Without expert parallelism
+      ``X_local = X`` and ``I_local = I / tp_size``; with it ``X_local = X / ep_size`` over ``ep_size = dp_size x
+      tp_size`` ranks (rank ``r = dp_rank x tp_size + tp_rank`` holds experts ``r X_local .. (r + 1) X_local - 1``)
       and ``I_local = I``.
     - ``weight_loader(param, loaded, shard_id, expert_id)``: ``loaded`` is expert ``expert_id``'s full
-      checkpoint tensor (or a lazy slice of it): ``gate_proj`` (shard_id 0) or ``up_proj`` (1), ``(I, H)``,
-      into ``gate_up_proj``; ``down_proj`` (shard_id None), ``(H, I)``. An expert another rank holds: return
+      checkpoint tensor (or a lazy slice of it): ``gate_proj`` (shard_id 0) or ``up_proj`` (1), ``(I, E)``,
+      into ``gate_up_proj``; ``down_proj`` (shard_id None), ``(E, I)``. An expert another rank holds: return
       without reading it.
-    - ``forward(x, router_logits)``: ``x`` ``(T, H)``, ``router_logits`` ``(T, E)`` -> ``(T, H)``, the sum over
+    - ``forward(x, router_logits)``: ``x`` ``(T, E)``, ``router_logits`` ``(T, X)`` -> ``(T, E)``, the sum over
       each token's top-k experts weighted as HF weights them; all-reduced, or with ``reduce_results=False``
       this rank's partial sum (the caller reduces it over TP). Under data parallelism every rank of every DP
       rank calls it once per MoE layer and step, with zero tokens where it has none (the exchange needs all).
@@ -89,7 +89,7 @@ class FusedMoE(nn.Module, UsesProducts):
         # the ranks the experts are spread over: every rank of every DP rank (only this TP group's without DP)
         self.ep_size = self.dp_size * self.tp_size if enable_expert_parallel else 1
         self.ep_rank = self.dp_rank * self.tp_size + self.tp_rank if enable_expert_parallel else 0
-        if enable_expert_parallel:           # E / (d t) whole experts on each rank
+        if enable_expert_parallel:           # X / (d t) whole experts on each rank
             self.num_local_experts = divide(num_experts, self.ep_size, "num_experts",
                                             by="the expert-parallel ranks (dp_size x tp_size)")
             self.intermediate_size_per_partition, self.expert_tp_rank = intermediate_size, 0
@@ -117,17 +117,17 @@ class FusedMoE(nn.Module, UsesProducts):
             return                                                        # another rank's expert: not read
         local, rows = expert_id - self.local_experts.start, self.intermediate_size_per_partition
         start = self.expert_tp_rank * rows                                # this rank's I_local of the expert
-        if shard_id is None:                                              # down_proj (H, I): split on dim 1
+        if shard_id is None:                                              # down_proj (E, I): split on dim 1
             expect_shape(loaded, (self.hidden_size, self.intermediate_size))
             copy_into(param.data[local], loaded.narrow(1, start, rows))
-        else:                                                             # gate_proj / up_proj (I, H): dim 0
+        else:                                                             # gate_proj / up_proj (I, E): dim 0
             expect_shape(loaded, (self.intermediate_size, self.hidden_size))
             copy_into(param.data[local].narrow(0, shard_id * rows, rows), loaded.narrow(0, start, rows))
 
     def select_experts(self, router_logits: torch.Tensor, dtype: torch.dtype):
-        """``(T, E)`` -> each token's k experts ``ids`` ``(T, k)`` and their ``weights`` ``(T, k)``: softmax in
+        """``(T, X)`` -> each token's k experts ``ids`` ``(T, k)`` and their ``weights`` ``(T, k)``: softmax in
         fp32, top-k, renormalised to sum to 1 where ``renormalize``, then cast to ``dtype`` (HF's router)."""
-        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)   # (T, E)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)   # (T, X)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)                 # (T, k) each
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -143,7 +143,7 @@ class FusedMoE(nn.Module, UsesProducts):
                 yield local, rows, slots
 
     def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``local``'s SiLU-gated MLP on its tokens: ``(n, H) -> (n, H)`` (a partial sum under TP)."""
+        """Expert ``local``'s SiLU-gated MLP on its tokens: ``(n, E) -> (n, E)`` (a partial sum under TP)."""
         product = self.linear_method.product                                # F.linear, or Parts.gemm's kernel
         gate, up = product(x, self.gate_up_proj[local]).chunk(2, dim=-1)    # (n, I_local) each
         return product(F.silu(gate) * up, self.down_proj[local])
@@ -155,9 +155,9 @@ class FusedMoE(nn.Module, UsesProducts):
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)   # summed in fp32, as HF sums the k
             for local, rows, slots in self.rows_by_expert(ids):
-                y = self.expert_mlp(local, x.index_select(0, rows))         # (n_e, H)
+                y = self.expert_mlp(local, x.index_select(0, rows))         # (n_e, E)
                 out.index_add_(0, rows, (y * weights[rows, slots].unsqueeze(-1)).float())   # combine
-        out = out.to(x.dtype)                                                # (T, H)
+        out = out.to(x.dtype)                                                # (T, E)
         return all_reduce(out, self.tp_size) if self.reduce_results else out
 
     def token_share(self, num_tokens: int) -> slice:
@@ -169,18 +169,18 @@ class FusedMoE(nn.Module, UsesProducts):
 
     def forward_all_to_all(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Under data parallelism: this TP rank's share of the tokens to their experts' ranks and back (fp32 ``(T,
-        H)``, zero outside the share). Every rank takes part, with no tokens too, or the others would wait."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # (T, H)
+        E)``, zero outside the share). Every rank takes part, with no tokens too, or the others would wait."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)    # (T, E)
         share = self.token_share(x.shape[0])
         received, local, order, traffic = self.exchange_dispatch(x[share], ids[share], self.num_experts,
                                                                  self.ep_rank, self.ep_size)
-        y = self.run_received(received, local)                              # (R, H)
-        out[share] = self.exchange_combine(y, order, traffic, weights[share])   # (T_r, H), fp32
+        y = self.run_received(received, local)                              # (R, E)
+        out[share] = self.exchange_combine(y, order, traffic, weights[share])   # (T_r, E), fp32
         return out
 
     def run_received(self, received: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on the rows it received ``(R, H)``, row i for its local expert ``local[i]``. Returns
-        each row's expert output ``(R, H)``."""
+        """This rank's experts on the rows it received ``(R, E)``, row i for its local expert ``local[i]``. Returns
+        each row's expert output ``(R, E)``."""
         if local.numel() and not 0 <= int(local.min()) <= int(local.max()) < self.num_local_experts:
             raise ValueError(f"rank {self.ep_rank}: the dispatch gave local expert ids {sorted(set(local.tolist()))}, "
                              f"but this rank holds {self.num_local_experts} experts (local ids 0 .. "
@@ -195,27 +195,27 @@ class FusedMoE(nn.Module, UsesProducts):
 
 def all_to_all_dispatch(x: torch.Tensor, ids: torch.Tensor, num_experts: int, ep_rank: int, ep_size: int):
     """The dispatch (``Parts.moe_dispatch``), on each of the ``ep_size`` ranks: each (token, expert) pair's row of
-    ``x`` ``(T_r, H)`` to the rank that holds the expert, ``ids`` ``(T_r, k)`` (global ids; rank r holds experts
-    ``r E / ep_size .. (r + 1) E / ep_size - 1``). Returns ``(received, local, order, traffic)``: ``received``
-    ``(R, H)`` the rows sent to this rank, by source rank then expert; ``local`` ``(R,)`` the local expert of each
-    (``0 .. E / ep_size - 1``); ``order`` ``(T_r k,)`` the pairs in the order this rank sent them, as indices into
+    ``x`` ``(T_r, E)`` to the rank that holds the expert, ``ids`` ``(T_r, k)`` (global ids; rank r holds experts
+    ``r X / ep_size .. (r + 1) X / ep_size - 1``). Returns ``(received, local, order, traffic)``: ``received``
+    ``(R, E)`` the rows sent to this rank, by source rank then expert; ``local`` ``(R,)`` the local expert of each
+    (``0 .. X / ep_size - 1``); ``order`` ``(T_r k,)`` the pairs in the order this rank sent them, as indices into
     ``ids.flatten()``; ``traffic[i][j]`` the rows rank i sent rank j, the same on every rank."""
     top_k, per_rank = ids.shape[1], num_experts // ep_size
     flat = ids.flatten()                                                  # (P,) pair p: token p // k
     order = flat.argsort(stable=True)                                     # by expert, so by the rank that holds it
-    counts = torch.bincount(flat, minlength=num_experts)                  # (E,) pairs per expert
+    counts = torch.bincount(flat, minlength=num_experts)                  # (X,) pairs per expert
     plan = ep_all_gather(counts, ep_size).view(ep_size, ep_size, per_rank)   # [source, destination, local expert]
     traffic = plan.sum(-1).tolist()                                       # known to every rank alike
-    received = all_to_all(x.index_select(0, order // top_k), traffic)     # (R, H): by source, then expert
+    received = all_to_all(x.index_select(0, order // top_k), traffic)     # (R, E): by source, then expert
     local = torch.arange(per_rank, device=x.device).repeat(ep_size).repeat_interleave(plan[:, ep_rank].flatten())
     return received, local, order, traffic
 
 
 def all_to_all_combine(y: torch.Tensor, order: torch.Tensor, traffic: list[list[int]], weights: torch.Tensor):
-    """The combine (``Parts.moe_combine``): the experts' outputs ``y`` ``(R, H)`` of the rows the dispatch received,
+    """The combine (``Parts.moe_combine``): the experts' outputs ``y`` ``(R, E)`` of the rows the dispatch received,
     back to the ranks that sent them (the traffic transposed), each weighted by its pair's routing weight
-    (``weights`` ``(T_r, k)``) and added into its token, in fp32: ``(T_r, H)``."""
-    back = all_to_all(y, [list(col) for col in zip(*traffic)])           # (P, H): in the order sent
+    (``weights`` ``(T_r, k)``) and added into its token, in fp32: ``(T_r, E)``."""
+    back = all_to_all(y, [list(col) for col in zip(*traffic)])           # (P, E): in the order sent
     out = torch.zeros(weights.shape[0], y.shape[-1], dtype=torch.float32, device=y.device)
     out.index_add_(0, order // weights.shape[1], (back * weights.flatten()[order].unsqueeze(-1)).float())
     return out

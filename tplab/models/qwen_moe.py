@@ -1,11 +1,11 @@
 """Qwen2-MoE and Qwen3-MoE, tensor and expert parallel: Qwen2 (and Qwen3's attention) with a sparse MoE
 block in place of the MLP in the layers HF makes sparse.
 
-Per MoE block on each rank (T tokens, hidden size H, E experts, top k; ``tplab.layers.moe``):
-    x (T, H) -> gate (replicated) -> router_logits (T, E)
-             -> experts (Parts.experts): each token through its k experts, weighted -> this rank's partial sum (T, H)
+Per MoE block on each rank (T tokens, hidden size E, X experts, top k; ``tplab.layers.moe``):
+    x (T, E) -> gate (replicated) -> router_logits (T, X)
+             -> experts (Parts.experts): each token through its k experts, weighted -> this rank's partial sum (T, E)
              (Qwen2-MoE) + sigmoid(shared_expert_gate(x)) (T, 1) * shared_expert(x): a TP-split MLP's partial sum
-             -> one all-reduce (T, H)      (under sequence parallelism: the partial sums, reduce-scattered by the layer)
+             -> one all-reduce (T, E)      (under sequence parallelism: the partial sums, reduce-scattered by the layer)
 As vLLM does, the experts and the shared expert are summed on each rank and reduced once. The shared expert
 is split by TP in both placements; the router and the shared expert's gate are whole on every rank. Under data
 parallelism (``data_parallel_size``) the experts are spread over every rank and the tokens travel to them by
@@ -37,7 +37,7 @@ def is_moe_layer(config, layer_idx: int) -> bool:
 class Qwen2MoeSparseMoeBlock(nn.Module):
     """The MoE block of one layer: ``gate`` (the router), ``experts``, and Qwen2-MoE's ``shared_expert`` with
     its ``shared_expert_gate`` (where the config has ``shared_expert_intermediate_size``; Qwen3-MoE has none).
-    ``forward``: ``(T, H) -> (T, H)``, all-reduced; under sequence parallelism this rank's partial sum."""
+    ``forward``: ``(T, E) -> (T, E)``, all-reduced; under sequence parallelism this rank's partial sum."""
 
     def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False,
                  enable_expert_parallel: bool = False):
@@ -62,10 +62,10 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))                        # (T, H): this rank's partial sum
+        out = self.experts(x, self.gate(x))                        # (T, E): this rank's partial sum
         shared = None
         if self.shared_expert is not None:                         # HF: sigmoid(gate(x)) * shared_expert(x)
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)   # (T, 1) * (T, H)
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)   # (T, 1) * (T, E)
             if self.shared_partial:
                 out, shared = out + shared, None
         if not self.sequence_parallel:                             # SP: the layer reduce-scatters the partial sums
@@ -104,7 +104,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         for i in self.stage.layers:
             if is_moe_layer(self.config, i):
                 block = self.model.layers[i].mlp
-                x = block.gate.weight.new_empty(0, self.config.hidden_size)       # (0, H)
+                x = block.gate.weight.new_empty(0, self.config.hidden_size)       # (0, E)
                 block.experts(x, block.gate(x))
 
     @classmethod
@@ -112,7 +112,7 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         sparse = [is_moe_layer(config, i) for i in range(config.num_hidden_layers)]
         sizes = {} if all(sparse) else {"intermediate_size": config.intermediate_size}
         if any(sparse):
-            if enable_expert_parallel:                             # whole experts: E / (d t) on each rank
+            if enable_expert_parallel:                             # whole experts: X / (d t) on each rank
                 sizes["num_experts"] = config.num_experts
             else:                                                  # every expert split by TP
                 sizes["moe_intermediate_size"] = config.moe_intermediate_size
