@@ -114,7 +114,7 @@ def test_incremental_metadata_equals_build_metadata():
         assert (meta.decode is None) == (ref.decode is None)
         if meta.decode is not None:
             assert meta.decode.seqs == ref.decode.seqs
-            for field in ("token_index", "blocks", "block_seq", "num_blocks", "hidden"):
+            for field in ("token_index", "blocks", "block_seq", "num_blocks", "past_end"):
                 assert torch.equal(getattr(meta.decode, field), getattr(ref.decode, field)), field
         # the runner's answer: a token for each sequence whose tokens are all fed by this step
         scheduler.postprocess(batch, [(1, 0.0) if s.num_cached_tokens + s.num_new_tokens == len(s) else None
