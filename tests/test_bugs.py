@@ -38,6 +38,14 @@ def test_names_cover_the_pitfalls_of_the_review_notes_and_say_which():
     assert all("Where it comes from:" in bugs.describe(name) for name in real)
 
 
+def test_a_bug_that_replaces_several_parts_describes_them_all():
+    several = {name: reps for name, reps in bugs.BUGS.items() if len(reps) > 1}
+    assert several                                                    # shard_dim1: qkv_linear and gate_up_linear
+    for name, reps in several.items():
+        described = bugs.describe(name)
+        assert all(r.__name__ in described or r.__doc__.strip() in described for r in reps.values()), name
+
+
 @pytest.mark.parametrize("bug", ["mask_mul_inf", "no_rope", "rope_layout"])
 def test_attention_and_rope_bugs_diverge_at_the_first_attention(checkpoint, reference, bug):
     rows = bug_rows(checkpoint, reference, [bug])

@@ -52,7 +52,7 @@ def test_the_shared_expert_every_rank_is_exact_at_tp1_and_counted_t_times_at_tp2
     names = ["model.layers.0.mlp", "model.layers.0.mlp.shared_expert", "model.layers.0.mlp.shared_expert_gate"]
     with torch.no_grad(), capture(hf, outputs_of=names) as (ref, _):
         hf(torch.tensor([PROMPT]))
-    shared = torch.sigmoid(ref[names[2]]) * ref[names[1]]                 # the gated shared expert, (T, H)
+    shared = torch.sigmoid(ref[names[2]]) * ref[names[1]]                 # the gated shared expert, (T, E)
     assert first_off(qwen2_moe, bugs=["moe_shared_expert_every_rank"], tensor_parallel_size=2) == names[0]
     assert golden.tolerance.within(mine[names[0]], ref[names[0]] + shared)  # HF's block + one more shared expert
 

@@ -6,6 +6,7 @@ import pytest
 
 from tplab.exercises import check_part
 from tplab.exercises import block_manager_probe
+from tplab.exercises.block_manager_base import BlockManagerBase
 from tplab.exercises.solutions import define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -14,7 +15,7 @@ MyBlockManager = define("block_manager")["MyBlockManager"]
 
 
 def test_a_block_manager_from_scratch_keeps_hf_tokens_through_preemption_and_prefix_hits():
-    assert MyBlockManager.__mro__[1] is object                         # not a subclass of tplab's
+    assert MyBlockManager.__mro__[1:] == (BlockManagerBase, object)    # the exercise's given base, not tplab's engine's
     result = check_part("block_manager", MyBlockManager)
     assert result.ok is True and "preemption(s)" in result.message, result.message
 
@@ -47,6 +48,22 @@ class NeverRegistersOnAppend(MyBlockManager):
     def may_append(self, seq):
         if len(seq.block_table) < self.blocks_needed(len(seq)):
             seq.block_table.append(self.take_free_block())
+
+
+class Stub(BlockManagerBase):
+    """The notebook's stub: the given base, the three methods still to write."""
+    def allocate(self, seq, num_cached_blocks=0):
+        raise NotImplementedError
+
+    def may_append(self, seq):
+        raise NotImplementedError
+
+    def free(self, seq):
+        raise NotImplementedError
+
+
+def test_the_stub_on_the_given_base_is_not_attempted():
+    assert check_part("block_manager", Stub).ok is None
 
 
 @pytest.mark.parametrize("impl, words", [

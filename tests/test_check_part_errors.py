@@ -50,8 +50,19 @@ def test_a_stub_is_not_attempted_and_a_missing_return_is_named():
 
 def test_the_finale_names_the_parts_still_stubs_and_where_to_write_them():
     result = check_engine({"row_linear": Stub, "gate_up_linear": GateUp})
-    assert result.ok is None and "still stubs: row_linear." in result.message, result.message
+    assert result.ok is None and "still stubs: row_linear (notebook 02)." in result.message, result.message
     assert "stub above" not in result.message and "`# Exercise:` cells" in result.message
+
+
+def test_the_notebook_named_for_each_part_holds_its_exercise_cell():
+    import json
+    from pathlib import Path
+    from tplab.exercises.parts import AFTER_TP, NOTEBOOK
+    assert set(NOTEBOOK) == set(PARTS) - set(AFTER_TP)                  # every part the finale judges
+    for part, number in NOTEBOOK.items():
+        (path,) = (Path(__file__).resolve().parents[1] / "notebooks").glob(f"{number}_*.ipynb")
+        firsts = {"".join(c["source"]).split("\n")[0] for c in json.loads(path.read_text())["cells"]}
+        assert f"# Exercise: {part}" in firsts, (part, path.name)
 
 
 def test_a_part_that_raises_in_a_rank_names_the_rank_and_line_and_the_next_call_works():

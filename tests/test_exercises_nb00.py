@@ -159,3 +159,13 @@ def test_a_collective_on_one_rank_only_is_named_at_once_not_timed_out():
     result = nb00.check_ring_all_reduce(rank_0_reduces, world_sizes=WORLD3, timeout=30)
     assert result.ok is False and "rank 0 called the collective all_reduce" in result.message, result.message
     assert "line 4 of rank_0_reduces" in result.message, result.message
+
+
+def test_fit_alpha_beta_recovers_a_line_and_falls_back_to_alpha_alone():
+    import numpy as np
+    from tplab.exercises.links import fit_alpha_beta
+    n = np.array([4 << (2 * k) for k in range(10)], dtype=float)
+    alpha, beta = fit_alpha_beta(n, 20e-6 + n / 5e9)                   # notebook 00's shared-memory figures
+    assert abs(alpha / 20e-6 - 1) < 1e-6 and abs(beta / 5e9 - 1) < 1e-6
+    alpha, beta = fit_alpha_beta(list(n), [3e-4, 1e-4] * 5)            # no size dependence: alpha alone
+    assert beta == float("inf") and abs(alpha - np.sqrt(3e-4 * 1e-4)) < 1e-12

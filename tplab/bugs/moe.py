@@ -19,7 +19,7 @@ class NotRenormalizedMoE(FusedMoE):
     checkpoint whose config says ``norm_topk_prob: false`` hides it."""
 
     def select_experts(self, router_logits: torch.Tensor, dtype: torch.dtype):
-        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)   # (T, E)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)   # (T, X)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)                 # (T, k): never divided by their sum
         return weights.to(dtype), ids
 
@@ -27,11 +27,11 @@ class NotRenormalizedMoE(FusedMoE):
 class GlobalIdsMoE(FusedMoE):
     """A rank's local expert index used where the global expert id belongs, under expert parallelism.
 
-    Where it comes from: with ``enable_expert_parallel`` rank r holds experts ``r E / t .. (r + 1) E / t - 1``,
-    stacked at local indices ``0 .. E / t - 1``; the router's ids are global. Code that picks the tokens of local
-    expert ``e`` with ``ids == e`` (the index it loops over) instead of ``ids == r E / t + e`` is right on rank 0
+    Where it comes from: with ``enable_expert_parallel`` rank r holds experts ``r X / t .. (r + 1) X / t - 1``,
+    stacked at local indices ``0 .. X / t - 1``; the router's ids are global. Code that picks the tokens of local
+    expert ``e`` with ``ids == e`` (the index it loops over) instead of ``ids == r X / t + e`` is right on rank 0
     and whenever every rank holds every expert (TP 1, TP inside each expert), so it passes those tests; under
-    expert parallelism rank 1 runs the tokens routed to experts ``0 .. E / t - 1`` through its own experts, and
+    expert parallelism rank 1 runs the tokens routed to experts ``0 .. X / t - 1`` through its own experts, and
     the tokens of its own experts are not run at all. The first MoE block differs from HF by the size of its
     output, at TP 2 with ``enable_expert_parallel=True`` only."""
 

@@ -22,7 +22,9 @@ class _NarrowsDim1:
 
 
 class Dim1QKVParallelLinear(QKVParallelLinear):
-    """Fused q|k|v whose loader narrows the checkpoint on dim 1 (in_features), not dim 0.
+    """Fused q|k|v whose loader narrows the checkpoint on dim 1 (in_features), not dim 0. ``shard_dim1``
+    builds every ``qkv_proj`` from this layer, and every ``gate_up_proj`` from ``Dim1MergedColumnParallelLinear``,
+    the MLP's fused gate|up with the same loader.
 
     Review notes: "你当前的 loader 假设 fused QKV 的格式是 [hidden_size, (Q+K+V)*head_size]，然后按 dim=1 切分
     ... HuggingFace/PyTorch 的 nn.Linear.weight 标准形状是 [out_features, in_features]": a

@@ -22,11 +22,11 @@ from tplab.engine.config import EngineConfig
 from tplab.engine.data_parallel import in_prompt_order
 from tplab.engine.sampling import SamplingParams
 from tplab.exercises import FORGOT_RETURN, ExerciseResult
-from tplab.exercises.exchange_watch import CASES, E, TOP_K, WORLD, inputs, run
+from tplab.exercises.exchange_watch import CASES, X, TOP_K, WORLD, inputs, run
 from tplab.exercises.in_engine import NEW_TOKENS, checked, first_diff, hf_reference, kept_ranks
 from tplab.exercises.watchdog import bound_for, call_bounded
 
-PER_RANK = E // WORLD
+PER_RANK = X // WORLD
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and", "Tom and his dog went to"]
 SHARES = [[[0, 1], [2]], [[0], []]]        # two rounds: both DP ranks busy, then DP rank 1 idle
 
@@ -58,7 +58,7 @@ def _shape_problem(got, rank: int, case: int) -> str | None:
     if not all(isinstance(t, torch.Tensor) for t in (received, local, order)):
         return "received, local and order are tensors (traffic a list of lists of ints)"
     if received.dim() != 2 or received.shape[1:] != (4,) or local.shape != (received.shape[0],):
-        return f"received {tuple(received.shape)}, local {tuple(local.shape)}: expected (R, H) and (R,), one local id a row"
+        return f"received {tuple(received.shape)}, local {tuple(local.shape)}: expected (R, E) and (R,), one local id a row"
     if order.shape != (tokens * TOP_K,) or torch.is_floating_point(order):
         return f"order {tuple(order.shape)} {order.dtype}: one integer index a pair, (T_r k,) = ({tokens * TOP_K},)"
     return None
@@ -152,7 +152,7 @@ def dispatch_problem(per_rank: list[dict]) -> str | None:
 
 
 def combine_expected(case: int, rank: int, weighted: bool = True, slot_of=None) -> torch.Tensor:
-    """Rank ``rank``'s right combine ``(T_r, H)``: each token's k outputs (its row times (expert + 1)) weighted and
+    """Rank ``rank``'s right combine ``(T_r, E)``: each token's k outputs (its row times (expert + 1)) weighted and
     summed; ``weighted=False``: not weighted; ``slot_of(p)``: pair p weighted by pair ``slot_of(p)``'s weight."""
     x, ids, weights = inputs(case, rank)
     flat_w = weights.flatten()
@@ -178,9 +178,9 @@ def _combined_problem(got, case: int, rank: int) -> str | None:
     if got is None:
         return FORGOT_RETURN
     if not isinstance(got, torch.Tensor) or got.dim() != 2:
-        return f"returned {type(got).__name__}: return the combined outputs, a (T_r, H) tensor"
+        return f"returned {type(got).__name__}: return the combined outputs, a (T_r, E) tensor"
     if got.shape[0] == tokens * TOP_K and tokens:
-        return (f"{tuple(got.shape)}: one row a pair; a token's k outputs are summed into its row, (T_r, H) = "
+        return (f"{tuple(got.shape)}: one row a pair; a token's k outputs are summed into its row, (T_r, E) = "
                 f"({tokens}, {got.shape[1]}): index_add_ at the pair's token, order[i] // k")
     got, order = got.float(), inputs(case, rank)[1].flatten().argsort(stable=True).tolist()
     if close(got, combine_expected(case, rank)):
@@ -193,7 +193,7 @@ def _combined_problem(got, case: int, rank: int) -> str | None:
     return (f"tokens combined in the wrong order or from the wrong rows: token 0 got {got[0].tolist()}, expected "
             f"{combine_expected(case, rank)[0].tolist()}. The outputs come back in the order the pairs were sent "
             "(the traffic transposed): output i is pair order[i], token order[i] // k" if tokens else
-            f"rank {rank} has no tokens, so (0, H); got {tuple(got.shape)}")
+            f"rank {rank} has no tokens, so (0, E); got {tuple(got.shape)}")
 
 
 def moe_config(name: str, impl) -> EngineConfig:

@@ -22,7 +22,7 @@ import torch.distributed.distributed_c10d as c10d
 from tplab.exercises import dist_watch
 from tplab.layers.moe import all_to_all_dispatch
 
-E, TOP_K, H, WORLD = 8, 2, 4, 2         # experts, per token, hidden size, ranks: rank r holds experts 4r .. 4r + 3
+X, TOP_K, E, WORLD = 8, 2, 4, 2         # experts, per token, hidden size, ranks: rank r holds experts 4r .. 4r + 3
 CASES = [(5, 3), (4, 0), (1, 1)]        # each rank's tokens: uneven, rank 1 idle (a DP rank with nothing to run),
                                         # one decode token each
 WATCHED = ("all_to_all_single", "all_to_all", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
@@ -34,19 +34,19 @@ class Refused(BaseException):
 
 
 def inputs(case: int, rank: int):
-    """Rank ``rank``'s ``x`` ``(T, H)``, ``ids`` ``(T, k)`` (k distinct global experts a token) and routing
+    """Rank ``rank``'s ``x`` ``(T, E)``, ``ids`` ``(T, k)`` (k distinct global experts a token) and routing
     ``weights`` ``(T, k)`` (summing to 1) in case ``case``; the same here and in the ranks."""
     tokens, gen = CASES[case][rank], torch.Generator().manual_seed(100 * case + rank)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(tokens)]) if tokens else \
+    ids = torch.stack([torch.randperm(X, generator=gen)[:TOP_K] for _ in range(tokens)]) if tokens else \
         torch.empty(0, TOP_K, dtype=torch.long)
-    x = 1000.0 * rank + 10.0 * torch.arange(tokens, dtype=torch.float32)[:, None] + torch.arange(H)[None, :]
+    x = 1000.0 * rank + 10.0 * torch.arange(tokens, dtype=torch.float32)[:, None] + torch.arange(E)[None, :]
     weights = torch.rand(tokens, TOP_K, generator=gen) + 0.5
     return x, ids, weights / weights.sum(-1, keepdim=True)
 
 
 def expert_outputs(received: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:
     """What the combine is handed: each received row's "expert output", its row times (global expert + 1)."""
-    return received * (local + rank * (E // WORLD) + 1).unsqueeze(-1).float()
+    return received * (local + rank * (X // WORLD) + 1).unsqueeze(-1).float()
 
 
 class ExchangeWatch:
@@ -148,9 +148,9 @@ def run(blob: bytes, name: str, run: str, seconds: float) -> dict:
             for case in range(len(CASES)):
                 x, ids, weights = inputs(case, rank)
                 if name == "moe_dispatch":
-                    results.append(_plain(part(x.clone(), ids.clone(), E, rank, world)))
+                    results.append(_plain(part(x.clone(), ids.clone(), X, rank, world)))
                 else:
-                    received, local, order, traffic = all_to_all_dispatch(x, ids, E, rank, world)
+                    received, local, order, traffic = all_to_all_dispatch(x, ids, X, rank, world)
                     y = expert_outputs(received, local, rank)
                     results.append(_plain(part(y, order.clone(), [list(r) for r in traffic], weights.clone())))
     except Refused:

@@ -20,8 +20,8 @@ PROMPT = "Once upon a time, in a cozy little house, there lived a happy girl nam
 
 
 def router_choices(hf, ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """HF's routing of ``ids`` in each MoE layer of ``hf`` (an HF MoE model): ``{layer: {"hidden": (T, H) the
-    router's input, "logits": (T, E), "weights": (T, k), "ids": (T, k)}}``, from hooks on each ``mlp.gate``."""
+    """HF's routing of ``ids`` in each MoE layer of ``hf`` (an HF MoE model): ``{layer: {"hidden": (T, E) the
+    router's input, "logits": (T, X), "weights": (T, k), "ids": (T, k)}}``, from hooks on each ``mlp.gate``."""
     seen, hooks = {}, []
     for i, layer in enumerate(hf.model.layers):
         gate = getattr(layer.mlp, "gate", None)
@@ -40,7 +40,7 @@ def router_choices(hf, ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
 
 def rank_shares(choices: dict, num_experts: int, ep_size: int) -> torch.Tensor:
     """``(layers, ep_size)``: each rank's share of a layer's (token, expert) pairs when ``ep_size`` ranks hold
-    ``num_experts / ep_size`` experts each, in order (rank r: experts ``r E / ep_size ...``)."""
+    ``num_experts / ep_size`` experts each, in order (rank r: experts ``r X / ep_size ...``)."""
     rows = []
     for layer in sorted(choices):
         per_expert = torch.bincount(choices[layer]["ids"].flatten(), minlength=num_experts).float()
@@ -89,7 +89,7 @@ def _mistake(got_w, logits, ids, renormalize: bool) -> str:
         return "the weights are renormalised where the model says not to (norm_topk_prob false): leave them as they are"
     if not renormalize and near(got_w, torch.softmax(logits.float().gather(-1, ids), dim=-1)):
         return ("the softmax is taken over the k chosen logits: that is the renormalised weights; with "
-                "norm_topk_prob false the weights are the softmax over all E experts, left as they are")
+                "norm_topk_prob false the weights are the softmax over all X experts, left as they are")
     return ""
 
 
@@ -120,7 +120,7 @@ def _problem(got, logits, hf_w, hf_ids, top_k: int, renormalize: bool) -> str | 
     if not torch.equal(ids, ref_ids):
         t = int((ids != ref_ids).any(-1).nonzero()[0])
         return (f"ids are not the k most likely experts of each token: token {t} has experts {ids[t].tolist()}, "
-                f"HF's top {top_k} are {ref_ids[t].tolist()} (topk of the softmax over all E experts)")
+                f"HF's top {top_k} are {ref_ids[t].tolist()} (topk of the softmax over all X experts)")
     if w.dtype != ref_w.dtype:
         return (f"weights in {w.dtype}, but the logits are {logits.dtype}: take the softmax in fp32, then cast the "
                 "weights back to the logits' dtype (.to(router_logits.dtype)), as HF does")

@@ -245,6 +245,8 @@ def _check_arguments(parts: dict, tensor_parallel_size) -> None:
 # with those on, so notebook 06's finale leaves them out.
 EXCHANGE = ("moe_dispatch", "moe_combine")
 AFTER_TP = ("sp_norm_region", "pipeline_stage", *EXCHANGE)
+NOTEBOOK = {"gate_up_linear": "02", "row_linear": "02", "qkv_linear": "02", "attention": "04",  # where each part's
+            "block_manager": "05", "embedding": "06", "lm_head": "06"}                    # `# Exercise:` cell is
 
 
 def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 120.0) -> ExerciseResult:
@@ -265,8 +267,9 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
         return ExerciseResult(name, None, "not attempted yet: write the part exercises (notebooks 02, 04, 05 and "
                                           "06: `# Exercise: row_linear` ...), run their cells, then this one" + aside)
     if stubs:
-        return ExerciseResult(name, None, f"not attempted yet: still stubs: {', '.join(stubs)}. Write them in their "
-                              "`# Exercise:` cells (notebooks 02, 04, 05 and 06), run those cells, then this one; "
+        where = ", ".join(f"{p} (notebook {NOTEBOOK[p]})" if p in NOTEBOOK else p for p in stubs)
+        return ExerciseResult(name, None, f"not attempted yet: still stubs: {where}. Write them in their "
+                              "`# Exercise:` cells, run those cells, then this one; "
                               "or hand check_engine only the parts you finished" + aside)
     with float32_default():
         result = judge_in_engine(name, list(parts.values()), parts, tensor_parallel_size, timeout, unit=False)
