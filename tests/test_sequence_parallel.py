@@ -233,3 +233,15 @@ def test_the_region_check_blames_the_residual_when_only_the_residual_is_wrong():
                        (lambda s, r, rank: s + rows(r, rank, 2) / 2, "add(partial) is right, so the residual is off")]:
         ok, why = diagnose(_region_results(2, add), 2)
         assert ok is False and words in why and "sum over the ranks" not in why, why
+
+
+def test_the_region_check_names_a_missing_return_and_a_gather_of_the_wrong_shape():
+    from tplab.exercises.sp_region_probe import diagnose
+    results = _region_results(2)
+    results[1][0]["local"] = None
+    ok, why = diagnose(results, 2)
+    assert ok is False and "rank 1, T = 5 at TP 2: local(full) returned None: did you forget `return`?" in why, why
+    results = _region_results(2)
+    results[0][0]["norm_gather"] = results[0][0]["norm_gather"][:3]            # 3 of the 5 tokens
+    ok, why = diagnose(results, 2)
+    assert ok is False and "norm_gather returned shape (3, 8): return the (T, E) = (5, 8) normed tokens" in why, why

@@ -150,6 +150,13 @@ class Diff:
     def ok(self) -> bool:
         return self.max_abs <= self.bound   # NaN and inf never are
 
+    @property
+    def share(self) -> float:
+        """``max_abs / bound``: at most 1 when ok; inf for any difference where the bound is 0 (an all-zero ref)."""
+        if self.bound:
+            return self.max_abs / self.bound
+        return 0.0 if self.max_abs == 0 else float("inf")
+
     def line(self) -> str:
         extra = f" | {self.nonfinite} non-finite" if self.nonfinite else ""
         return f"{self.name:<40} | max_abs {self.max_abs:.1e} | bound {self.bound:.0e}{extra} | {'ok' if self.ok else 'DIFF'}"
@@ -198,4 +205,4 @@ def first_divergence(rows: list[Diff]) -> str | None:
 
 def worst(rows: list[Diff]) -> float:
     """The largest ``max_abs / bound`` over ``rows``: at most 1 when every activation is within its bound."""
-    return max((r.max_abs / r.bound if r.bound else (0.0 if r.max_abs == 0 else float("inf"))) for r in rows)
+    return max(r.share for r in rows)

@@ -44,7 +44,12 @@ def draw_diffs(ax, series: dict, tol=None, xs=None, ylabel: str = "max |tplab - 
     NaN/inf (as red crosses) in a "NaN / inf" band above them; ``tol`` (one bound, or one per point,
     as ``golden.Diff.bound``) is a dashed line. Returns the ``(low, high)`` edges of the finite region."""
     values = [v for vs in series.values() for v in vs]
-    bounds = [] if tol is None else [tol] * len(values) if isinstance(tol, (int, float)) else list(tol)
+    if tol is None:
+        bounds = []
+    elif isinstance(tol, (int, float)):
+        bounds = [tol] * len(values)                                        # one bound for every point
+    else:
+        bounds = list(tol)                                                  # one per point
     finite = [v for v in values + bounds if math.isfinite(v) and v > 0]
     low = 10 ** math.floor(math.log10(min(finite or [1e-6])))
     high = 10 ** math.ceil(math.log10(max(finite or [1.0]))) * 10

@@ -16,10 +16,8 @@ from tplab.bugs.moe import GlobalIdsMoE, NotRenormalizedMoE, SharedExpertEveryRa
 from tplab.bugs.pipeline import KVEveryLayerStage, ResidualNotSentStage
 from tplab.bugs.positions import decode_with_positions, greedy_with_positions, offby1_token_positions
 from tplab.bugs.sequence_parallel import HiddenScatterNormRegion, NormTwiceNormRegion
-from tplab.bugs.rope import (no_rope_apply, rope_cos_sin_axis_apply, rope_layout_apply,
-                                      rope_swallowed_apply)
-from tplab.bugs.sharding import (Dim1MergedColumnParallelLinear, Dim1QKVParallelLinear,
-                                          PresizedQKVParallelLinear)
+from tplab.bugs.rope import no_rope_apply, rope_cos_sin_axis_apply, rope_layout_apply, rope_swallowed_apply
+from tplab.bugs.sharding import Dim1MergedColumnParallelLinear, Dim1QKVParallelLinear, PresizedQKVParallelLinear
 
 # name -> {field of tplab.Parts: replacement}: the catalogue tplab.engine.parts looks names up in
 BUGS = {
@@ -43,14 +41,14 @@ BUGS = {
     # sequence parallelism (notebook 07; with LLM(..., sequence_parallel=True)): not from the review notes
     "sp_scatter_hidden": {"sp_norm_region": HiddenScatterNormRegion},
     "sp_norm_twice": {"sp_norm_region": NormTwiceNormRegion},
-    # pipeline parallelism: the stage boundary, the KV cache of a stage
+    # pipeline parallelism (notebook 07; LLM(..., pipeline_parallel_size > 1)): the boundary, a stage's KV cache
     "pp_residual_not_sent": {"pipeline_stage": ResidualNotSentStage},
     "pp_kv_every_layer": {"pipeline_stage": KVEveryLayerStage},
     # mixture of experts (notebook 08): the router's weights, local vs global expert ids, the shared expert's sum
     "moe_not_renormalized": {"experts": NotRenormalizedMoE},
     "moe_global_ids": {"experts": GlobalIdsMoE},
     "moe_shared_expert_every_rank": {"row_linear": SharedExpertEveryRankLinear},
-    # decode steps at fixed shapes, replayed as CUDA graphs (with LLM(..., static_decode=True) on CPU)
+    # decode steps at fixed shapes, replayed as CUDA graphs (notebook 06; with LLM(..., static_decode=True) on CPU)
     "graph_stale_inputs": {"static_decode": StaleInputsDecode},
 }
 NAMES = tuple(BUGS)

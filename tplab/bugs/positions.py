@@ -26,7 +26,9 @@ _models: dict[str, torch.nn.Module] = {}   # called in loops: one TP-1 model per
 
 def _model(model_dir) -> torch.nn.Module:
     key = str(model_dir)
-    return _models.get(key) or _models.setdefault(key, load_model(key))
+    if key not in _models:
+        _models[key] = load_model(key)
+    return _models[key]
 
 
 def decode_with_positions(model_dir, prompt: list[int], position_shift: int = 1) -> torch.Tensor:

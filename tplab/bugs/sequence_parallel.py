@@ -1,6 +1,6 @@
 """Sequence-parallel pitfalls: the norm region (``Parts.sp_norm_region``) with a mistake that real SP code
-makes. They come from what goes wrong when an all-reduce is split into a reduce-scatter and an all-gather
-(issue 25), not from the review notes; each is run with ``LLM(..., sequence_parallel=True)``."""
+makes. They come from what goes wrong when an all-reduce is split into a reduce-scatter and an all-gather,
+not from the review notes; each is run with ``LLM(..., sequence_parallel=True)``."""
 from tplab.distributed.parallel_state import all_gather, reduce_scatter
 from tplab.models.sequence_parallel import SequenceParallelNormRegion
 

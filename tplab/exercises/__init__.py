@@ -16,6 +16,15 @@ NOT_DONE = "not attempted yet: fill in the stub above (replace its `raise NotImp
 FORGOT_RETURN = "returned None: did you forget `return`?"
 
 
+def not_a_tensor(value, expected: str = "a torch.Tensor") -> str | None:
+    """What to tell a learner whose function returned ``value`` where ``expected`` belongs, or None for a tensor."""
+    if value is None:
+        return FORGOT_RETURN
+    if not isinstance(value, torch.Tensor):
+        return f"returned {type(value).__name__}, expected {expected}"
+    return None
+
+
 class ExerciseResult:
     """Outcome of a checker: ``ok`` True/False, or None when the stub was left as it is."""
 

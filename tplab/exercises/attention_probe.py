@@ -2,7 +2,7 @@
 cache, then one decode step each, against a plain reference, and against the usual mistakes."""
 import torch
 
-from tplab.layers.attention import build_metadata
+from tplab.layers.metadata import build_metadata
 from tplab.exercises.layer_probes import returned
 
 H, H_KV, D, BLOCK, BLOCKS = 4, 2, 8, 4, 4

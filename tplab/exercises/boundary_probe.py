@@ -78,8 +78,8 @@ class Request:
 class P2PWatch:
     """This rank's point-to-point calls, checked against the layout (world rank = pp_rank * tp + tp_rank)."""
 
-    def __init__(self, run: str, tp: int, seconds: float):
-        self.rank, self.tp, self.run = dist.get_rank(), tp, run
+    def __init__(self, run_id: str, tp: int, seconds: float):
+        self.rank, self.tp, self.run_id = dist.get_rank(), tp, run_id
         self.seconds, self.end = seconds, time.monotonic() + seconds    # every wait of the probe ends by then
         stage, tp_rank = divmod(self.rank, tp)
         self.who = f"rank {self.rank} (stage {stage}, TP rank {tp_rank})"
@@ -96,7 +96,12 @@ class P2PWatch:
         self.problems.append((priority, self.rank, WORDS[kind].format(who=self.who, what=what, **extra)))
 
     def key(self, src: int, dst: int, n: int) -> str:
-        return f"{self.run}/{src}->{dst}/{n}"
+        """Where the shape and dtype of the ``n``-th tensor ``src`` sends ``dst`` are put."""
+        return f"{self.run_id}/{src}->{dst}/{n}"
+
+    def done_key(self, rank: int) -> str:
+        """Where a sending rank puts how many tensors it sent, once it has finished."""
+        return f"{self.run_id}/done/{rank}"
 
     def _start(self, tensor, dst, how):
         if dst != self.next:
@@ -133,7 +138,7 @@ class P2PWatch:
     def _arrives(self, key: str) -> bool:
         """Whether the tensor under ``key`` was sent: True once its shape is in the store, False once the sender
         said it is done without it (or at the probe's end)."""
-        done = f"{self.run}/done/{self.prev}"
+        done = self.done_key(self.prev)
         while time.monotonic() < self.end:
             if self.store.check([key]):
                 return True
@@ -158,8 +163,9 @@ class P2PWatch:
             self.problem(0, "peer", f"recv from world rank {src}{' (itself)' * (src == self.rank)}", peer=self.prev)
             raise Refused("peer")
         if not self._arrives(self.key(self.prev, self.rank, n)):
-            self.problem(4, "nothing", f"recv number {n + 1}", sent=self.store.get(f"{self.run}/done/{self.prev}")
-                         .decode() if self.store.check([f"{self.run}/done/{self.prev}"]) else "nothing")
+            done = self.done_key(self.prev)
+            sent = self.store.get(done).decode() if self.store.check([done]) else "nothing"
+            self.problem(4, "nothing", f"recv number {n + 1}", sent=sent)
             raise Refused("nothing")
         shape, dtype = self._sent_as(n)
         if (list(tensor.shape), tensor.dtype) != (shape, dtype):
@@ -188,10 +194,10 @@ class P2PWatch:
 
     def finish(self, sender: bool) -> bool:
         """The ranks' last words: drain what was sent and not received; whether nothing is left in flight."""
-        clean, done = True, f"{self.run}/done/{self.prev}"
+        clean, done = True, self.done_key(self.prev)
         try:
             if sender:
-                self.store.set(f"{self.run}/done/{self.rank}", f"{self.sent} tensor(s)")
+                self.store.set(self.done_key(self.rank), f"{self.sent} tensor(s)")
                 for real in self.kept:
                     self.finish_one(real, "a send was never received")
             else:
@@ -204,8 +210,8 @@ class P2PWatch:
                         time.sleep(0.002)
         except Refused:
             clean = False
-        self.store.set(f"{self.run}/clean/{self.rank}", str(int(clean)))
-        keys = [f"{self.run}/clean/{r}" for r in range(dist.get_world_size())]
+        self.store.set(f"{self.run_id}/clean/{self.rank}", str(int(clean)))
+        keys = [f"{self.run_id}/clean/{r}" for r in range(dist.get_world_size())]
         while not self.store.check(keys) and time.monotonic() < self.end + self.seconds / 2:
             time.sleep(0.002)
         return self.store.check(keys) and all(self.store.get(k) == b"1" for k in keys)

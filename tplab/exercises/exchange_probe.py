@@ -22,7 +22,7 @@ from tplab.engine.config import EngineConfig
 from tplab.engine.data_parallel import in_prompt_order
 from tplab.engine.sampling import SamplingParams
 from tplab.exercises import FORGOT_RETURN, ExerciseResult
-from tplab.exercises.exchange_watch import CASES, X, TOP_K, WORLD, inputs, run
+from tplab.exercises.exchange_watch import CASES, E, X, TOP_K, WORLD, inputs, run
 from tplab.exercises.in_engine import NEW_TOKENS, checked, first_diff, hf_reference, kept_ranks
 from tplab.exercises.watchdog import bound_for, call_bounded
 
@@ -56,8 +56,9 @@ def _shape_problem(got, rank: int, case: int) -> str | None:
     received, local, order, traffic = got
     tokens = CASES[case][rank]
     if not all(isinstance(t, torch.Tensor) for t in (received, local, order)):
-        return "received, local and order are tensors (traffic a list of lists of ints)"
-    if received.dim() != 2 or received.shape[1:] != (4,) or local.shape != (received.shape[0],):
+        given = ", ".join(type(t).__name__ for t in (received, local, order))
+        return f"received, local and order must be tensors (traffic a list of lists of ints); yours are {given}"
+    if received.dim() != 2 or received.shape[1:] != (E,) or local.shape != (received.shape[0],):
         return f"received {tuple(received.shape)}, local {tuple(local.shape)}: expected (R, E) and (R,), one local id a row"
     if order.shape != (tokens * TOP_K,) or torch.is_floating_point(order):
         return f"order {tuple(order.shape)} {order.dtype}: one integer index a pair, (T_r k,) = ({tokens * TOP_K},)"
@@ -173,8 +174,12 @@ def combine_problem(per_rank: list[dict]) -> str | None:
     return None
 
 
+def _near(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-3)
+
+
 def _combined_problem(got, case: int, rank: int) -> str | None:
-    tokens, close = CASES[case][rank], lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-3)
+    tokens = CASES[case][rank]
     if got is None:
         return FORGOT_RETURN
     if not isinstance(got, torch.Tensor) or got.dim() != 2:
@@ -183,17 +188,18 @@ def _combined_problem(got, case: int, rank: int) -> str | None:
         return (f"{tuple(got.shape)}: one row a pair; a token's k outputs are summed into its row, (T_r, E) = "
                 f"({tokens}, {got.shape[1]}): index_add_ at the pair's token, order[i] // k")
     got, order = got.float(), inputs(case, rank)[1].flatten().argsort(stable=True).tolist()
-    if close(got, combine_expected(case, rank)):
+    if _near(got, combine_expected(case, rank)):
         return None
-    if close(got, combine_expected(case, rank, weighted=False)):
+    if not tokens:
+        return f"rank {rank} has no tokens, so (0, E); got {tuple(got.shape)}"
+    if _near(got, combine_expected(case, rank, weighted=False)):
         return "the outputs are summed without their routing weights: each pair's output times its weight"
-    if close(got, combine_expected(case, rank, slot_of=lambda p: order.index(p))):
+    if _near(got, combine_expected(case, rank, slot_of=lambda p: order.index(p))):
         return ("each output is weighted by another pair's weight: back[i] is pair order[i], so its weight is "
                 "weights.flatten()[order[i]], not weights.flatten()[i]")
     return (f"tokens combined in the wrong order or from the wrong rows: token 0 got {got[0].tolist()}, expected "
             f"{combine_expected(case, rank)[0].tolist()}. The outputs come back in the order the pairs were sent "
-            "(the traffic transposed): output i is pair order[i], token order[i] // k" if tokens else
-            f"rank {rank} has no tokens, so (0, E); got {tuple(got.shape)}")
+            "(the traffic transposed): output i is pair order[i], token order[i] // k")
 
 
 def moe_config(name: str, impl) -> EngineConfig:

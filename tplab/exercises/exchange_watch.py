@@ -52,9 +52,9 @@ def expert_outputs(received: torch.Tensor, local: torch.Tensor, rank: int) -> to
 class ExchangeWatch:
     """This rank's collectives: each a rendezvous of every rank through the store, checked, then run."""
 
-    def __init__(self, run: str, seconds: float):
+    def __init__(self, run_id: str, seconds: float):
         self.store, self.rank, self.world = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-        self.run, self.seconds, self.calls, self.problems = run, seconds, 0, []
+        self.run_id, self.seconds, self.calls, self.problems = run_id, seconds, 0, []
 
     def wrappers(self) -> dict:
         return {name: (lambda original, name=name: self._watched(name, original)) for name in WATCHED}
@@ -65,12 +65,12 @@ class ExchangeWatch:
 
     def done(self) -> None:
         """This rank has finished: a rank still waiting for it in a collective is told at once."""
-        self.store.set(f"{self.run}/done/{self.rank}", "1")
+        self.store.set(f"{self.run_id}/done/{self.rank}", "1")
 
     def join(self, name: str, info: dict) -> list:
         """Wait until every rank has reached its ``n``-th collective; every rank's ``(name, info)``."""
         n, self.calls = self.calls, self.calls + 1
-        key = lambda r: f"{self.run}/{n}/{r}"          # noqa: E731
+        key = lambda r: f"{self.run_id}/{n}/{r}"       # noqa: E731
         self.store.set(key(self.rank), json.dumps([name, info]))
         end = time.monotonic() + self.seconds
         while True:
@@ -78,7 +78,7 @@ class ExchangeWatch:
             if len(here) == self.world:
                 return [json.loads(self.store.get(key(r))) for r in range(self.world)]
             away = [r for r in range(self.world) if r not in here]
-            gone = [r for r in away if self.store.check([f"{self.run}/done/{r}"])]
+            gone = [r for r in away if self.store.check([f"{self.run_id}/done/{r}"])]
             if gone or time.monotonic() > end:
                 what = "returned without joining" if gone else f"did not reach, within {self.seconds:.3g} s,"
                 self.refuse(f"rank {(gone or away)[0]} {what} the {name} that rank(s) {here} waited in (collective "
@@ -131,17 +131,19 @@ def _mismatch(everyone: list) -> str | None:
 
 
 def _plain(got):
-    return tuple(g.detach().cpu() if isinstance(g, torch.Tensor) else g for g in got) if isinstance(got, tuple) \
-        else got.detach().cpu() if isinstance(got, torch.Tensor) else got
+    """What the part returned, its tensors (alone or in a tuple) detached and on the CPU, to travel back."""
+    if isinstance(got, tuple):
+        return tuple(_plain(g) for g in got)
+    return got.detach().cpu() if isinstance(got, torch.Tensor) else got
 
 
-def run(blob: bytes, name: str, run: str, seconds: float) -> dict:
+def run(blob: bytes, name: str, run_id: str, seconds: float) -> dict:
     """In a rank: the part (``cloudpickle.dumps``'d) on every case, watched; what it returned in each, and what
     the watch refused. ``moe_combine`` is handed tplab's dispatch of the case and its rows' "expert outputs"."""
     from tplab.distributed.layout import init_model_parallel
     rank, world = dist.get_rank(), dist.get_world_size()
     init_model_parallel(1, 1, world, use_shm=False)        # the ranks as DP ranks, every exchange through gloo
-    watch, results = ExchangeWatch(run, seconds), []
+    watch, results = ExchangeWatch(run_id, seconds), []
     try:
         with dist_watch.patched(watch.wrappers()):
             part = dist_watch.load(blob)

@@ -100,7 +100,7 @@ def first_diff(ref: dict, acts: dict) -> tuple[str, str] | None:
             continue
         if row.nonfinite:
             return name, f"holds NaN or inf ({row.nonfinite} of its {acts[name].numel()} values)"
-        times = f"{row.max_abs / row.bound:.1f}".removesuffix(".0") if row.bound else "inf"
+        times = f"{row.share:.1f}".removesuffix(".0")                   # "inf" where the bound is 0
         return name, (f"is up to {row.max_abs:.1e} from HF's, {times} times its bound {row.bound:.1e} "
                       f"({RTOL[torch.float32]:.1e} of HF's largest value there, tplab.tolerance)")
     return None

@@ -3,7 +3,7 @@ mistake it is. Each ``diagnose_<part>(spec, results, tp)`` returns ``(ok, messag
 expected weights and outputs are worked out here from the full tensors, with plain matmuls."""
 import torch
 
-from tplab.exercises.layer_probes import D, E, H, H_KV, I, V, close
+from tplab.exercises.layer_probes import D, E, H, H_KV, I, V
 
 ALL_REDUCE = "tplab.distributed.parallel_state.all_reduce(y, tp_size) or torch.distributed.all_reduce(y)"
 # requires_grad=True on a part's parameters is not checked: the engine runs every step under
@@ -24,6 +24,13 @@ def device_or_dtype_mistake(what: str, got: torch.Tensor, want: torch.Tensor) ->
             f"engine sets to the model's), or cast with .to(x.dtype)")
 
 
+def _near(got, want: torch.Tensor) -> bool:
+    """Whether ``got`` (a part's parameter or output, or None) is a tensor of ``want``'s shape and values."""
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    return torch.allclose(got.float(), want.float(), atol=1e-5)
+
+
 def _shape(t) -> tuple:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else ()
 
@@ -32,14 +39,19 @@ def _check_param(results, name, expected, what) -> str | None:
     """A message for the first rank whose ``name`` differs from ``expected[r]``, else None."""
     for r, res in enumerate(results):
         got = res["params"].get(name)
-        if got is None:
-            return f"rank {r}: the layer has no parameter `{name}`"
+        if got is None:                       # run_probe found a tensor self.<name>, but not among the parameters
+            return (f"rank {r}: `self.{name}` is a tensor but not an nn.Parameter, so named_parameters(), where the "
+                    f"engine's loader looks weights up, does not list it: make it nn.Parameter(..., requires_grad=False)")
         if _shape(got) != _shape(expected[r]):
             return f"rank {r}: `{name}` has shape {_shape(got)}, expected {_shape(expected[r])} ({what})"
         wrong_kind = device_or_dtype_mistake(f"`{name}`", got, expected[r])
         if wrong_kind:
             return f"rank {r}: {wrong_kind}"
-        if not close(got, expected[r]):
+        if not _near(got, expected[r]):
+            other = next((o for o, want in enumerate(expected) if o != r and _near(got, want)), None)
+            if other is not None:
+                return (f"rank {r}: `{name}` holds rank {other}'s shard, not its own ({what}): start the narrow at "
+                        "this rank's offset, tp_rank * the shard's size")
             return f"rank {r}: `{name}` has the right shape but holds the wrong numbers ({what})"
     return None
 
@@ -51,10 +63,10 @@ def _check_output(results, expected, mistakes) -> tuple[bool, str]:
         wrong_kind = device_or_dtype_mistake("forward's output", out, expected[r])
         if wrong_kind:
             return False, f"rank {r}: {wrong_kind}"
-        if close(out, expected[r]):
+        if _near(out, expected[r]):
             continue
         for _, outputs, why in mistakes:
-            if close(out, outputs[r]):
+            if _near(out, outputs[r]):
                 return False, f"rank {r}: {why}"
         if _shape(out) != _shape(expected[r]):
             return False, f"rank {r}: forward returned shape {_shape(out)}, expected {_shape(expected[r])}"
@@ -100,14 +112,14 @@ def diagnose_gate_up_linear(spec, results, tp):
     if bad:
         got = results[0]["params"].get("weight")
         fused = torch.cat([g, u])[: 2 * rows]
-        if close(got, fused):
+        if _near(got, fused):
             bad = ("rank 0 holds the first rows of the fused [gate | up] tensor, i.e. gate rows only: each rank "
                    "needs its rows of gate_proj AND its rows of up_proj, so silu(gate) * up pairs up on the rank")
-        elif close(got, torch.cat([u[:rows], g[:rows]])):
+        elif _near(got, torch.cat([u[:rows], g[:rows]])):
             bad = "rank 0 holds [up | gate]: shard_id 0 is gate_proj and goes first, shard_id 1 is up_proj"
         elif _shape(got) == (2 * I, E // tp):
             bad += "; yours keeps every row and a slice of the columns: sharded on the wrong dimension (dim 1)"
-        elif tp > 1 and close(got, torch.cat([t[:, :E // tp].reshape(rows, E) for t in (g, u)])):
+        elif tp > 1 and _near(got, torch.cat([t[:, :E // tp].reshape(rows, E) for t in (g, u)])):
             bad = ("rank 0 holds gate's and up's first E / tp input columns (dim 1), reshaped into rows: the "
                    "shape fits, but the numbers belong to other outputs (notebook 02's shard_dim1 bug). Column "
                    "parallel splits the outputs: narrow dim 0, rows [rank * I / tp, (rank + 1) * I / tp)")
@@ -137,7 +149,7 @@ def diagnose_qkv_linear(spec, results, tp):
     if bad and reps > 1:
         for r, res in enumerate(results):
             got = res["params"].get("weight")
-            if r // reps != r % H_KV and close(got, fused(r, r % H_KV)[0]):
+            if r // reps != r % H_KV and _near(got, fused(r, r % H_KV)[0]):
                 return False, (f"rank {r} keeps KV head {r % H_KV} (r % total_num_kv_heads), but its query heads "
                                f"{list(range(r * nh, (r + 1) * nh))} attend with KV head {r // reps}: with tp_size "
                                f"{tp} > {H_KV} KV heads, each KV head is replicated on {reps} neighbouring ranks, "
@@ -145,7 +157,7 @@ def diagnose_qkv_linear(spec, results, tp):
     for r, res in enumerate(results if bad else []):
         g, nq = r // reps, nh * D
         swapped = [torch.cat([f[:nq], f[nq + nkv * D:], f[nq:nq + nkv * D]]) for f in fused(r, g)]   # [q | v | k]
-        if close(res["params"].get("weight"), swapped[0]):
+        if _near(res["params"].get("weight"), swapped[0]):
             return False, (f"rank {r} holds [q | v | k]: the k and v rows are swapped. shard_id 'k' goes right after "
                            "the q rows and 'v' last, the order in which attention splits the fused output")
     bad = bad or _check_param(results, "bias", [b for _, b in right], "this rank's q | k | v bias")
@@ -154,26 +166,27 @@ def diagnose_qkv_linear(spec, results, tp):
     return _check_output(results, [spec.x @ w.T + b for w, b in right], [])
 
 
-def diagnose_embedding(spec, results, tp):
-    w, ids = spec.weights[0][1], spec.x
+def _vocab_shards(w: torch.Tensor, tp: int) -> tuple[int, list[torch.Tensor]]:
+    """``w`` (V, E) padded with zero rows to a multiple of ``tp``: rows per rank, and each rank's (per_rank, E)."""
     per_rank = -(-V // tp)
     padded = torch.cat([w, w.new_zeros(per_rank * tp - V, E)])
-    bad = _check_param(results, "weight", [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)],
-                       f"rows [r * {per_rank}, (r + 1) * {per_rank}) of the vocabulary padded to a multiple of "
-                       "tp_size, zeros past the real vocabulary")
+    return per_rank, list(padded.split(per_rank))
+
+
+def diagnose_embedding(spec, results, tp):
+    w, ids = spec.weights[0][1], spec.x
+    per_rank, shard = _vocab_shards(w, tp)
+    bad = _check_param(results, "weight", shard, f"rows [r * {per_rank}, (r + 1) * {per_rank}) of the vocabulary "
+                       "padded to a multiple of tp_size, zeros past the real vocabulary")
     if bad or "out" not in results[0]:                                      # weights only: stop here
         return not bad, bad or ""
-    full = w[ids]
-    local = []
-    for r in range(tp):
-        idx = ids - r * per_rank
-        mine = (idx >= 0) & (idx < per_rank)
-        local.append(padded[r * per_rank:][:per_rank][idx.clamp(0, per_rank - 1)] * mine[:, None])
-    unmasked = sum(padded[r * per_rank:][:per_rank][(ids - r * per_rank).clamp(0, per_rank - 1)] for r in range(tp))
-    shard = [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)]
-    not_zeroed = sum(torch.where(((ids >= r * per_rank) & (ids < (r + 1) * per_rank))[:, None],
-                                 shard[r][(ids - r * per_rank).clamp(0, per_rank - 1)], shard[r][0])
-                     for r in range(tp))                          # ids not owned looked up as local row 0
+    full = w[ids]                                                                   # (T, E)
+    owned = [(ids >= r * per_rank) & (ids < (r + 1) * per_rank) for r in range(tp)]  # (T,) each
+    looked_up = [shard[r][(ids - r * per_rank).clamp(0, per_rank - 1)] for r in range(tp)]  # ids not owned: clamped
+    local = [looked_up[r] * owned[r][:, None] for r in range(tp)]
+    unmasked = sum(looked_up)
+    not_zeroed = sum(torch.where(owned[r][:, None], looked_up[r], shard[r][0])      # ids not owned: local row 0
+                     for r in range(tp))
     return _check_output(results, [full] * tp, [
         ("unmasked", [unmasked] * tp, "ids outside this rank's rows were looked up anyway (clamped, not zeroed): "
          "mask them, i.e. zero the rows of ids the rank does not own, before the all-reduce"),
@@ -188,14 +201,13 @@ def diagnose_embedding(spec, results, tp):
 
 def diagnose_lm_head(spec, results, tp):
     w, hidden = spec.weights[0][1], spec.x
-    per_rank = -(-V // tp)
-    padded = torch.cat([w, w.new_zeros(per_rank * tp - V, E)])
-    bad = _check_param(results, "weight", [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)],
+    per_rank, shard = _vocab_shards(w, tp)
+    bad = _check_param(results, "weight", shard,
                        f"this rank's {per_rank} rows of the vocabulary padded to a multiple of tp_size")
     if bad or "out" not in results[0]:                                      # weights only: stop here
         return not bad, bad or ""
-    logits = hidden @ padded.T                                                     # (N, per_rank * tp)
-    local = [logits[:, r * per_rank:(r + 1) * per_rank] for r in range(tp)]
+    local = [hidden @ s.T for s in shard]                                          # (N, per_rank) each
+    logits = torch.cat(local, -1)                                                  # (N, per_rank * tp)
     return _check_output(results, [logits[:, :V]] * tp, [
         ("no gather", local, "returned only this rank's slice of the vocabulary: all-gather every rank's "
          "(N, vocab / tp) logits along the last dim"),

@@ -129,6 +129,3 @@ def probe_in_rank(impl, name: str, tp_size: int, forward: bool = True, one_row: 
     import torch.distributed as dist
     return run_probe(impl, spec_of(name, one_row), dist.get_rank(), tp_size, forward)
 
-
-def close(a, b) -> bool:
-    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5)

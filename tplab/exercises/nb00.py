@@ -15,7 +15,7 @@ import cloudpickle
 import torch
 
 from tplab.distributed.launcher import RankError, RankGroup
-from tplab.exercises import FORGOT_RETURN, ExerciseResult, dist_watch, is_stub_error, run_checker, watchdog
+from tplab.exercises import ExerciseResult, dist_watch, is_stub_error, not_a_tensor, run_checker, watchdog
 
 WORLD_SIZES = (3, 2)        # 3 first: with 2 ranks, "rank + step" and "rank - step" pick the same chunk
 BASE = 8                    # one octal digit per rank: how many times its value was summed in
@@ -110,10 +110,9 @@ def _judge(world: int, case, per_rank) -> str | None:
             return _called(rank, used[0])
     for rank, (out, ref, _) in enumerate(per_rank):
         where = f"world size {world}, rank {rank}, x of shape {tuple(ref.shape)}"
-        if out is None:
-            return FORGOT_RETURN
-        if not isinstance(out, torch.Tensor):
-            return f"returned {type(out).__name__}, expected a torch.Tensor shaped like x"
+        wrong = not_a_tensor(out, "a torch.Tensor shaped like x")
+        if wrong:
+            return wrong
         if tuple(out.shape) != tuple(ref.shape):
             hint = ": return it shaped like x (x.reshape(-1) in, .view_as(x) out)" if out.numel() == ref.numel() else ""
             return f"{where}: returned shape {tuple(out.shape)}{hint}"

@@ -7,8 +7,8 @@ after a cached prefix), so query i sits at position ``k_len - q_len + i`` and se
 """
 import torch
 
-from tplab.exercises import FORGOT_RETURN, run_checker
-from tplab.layers.attention import causal_visible
+from tplab.exercises import not_a_tensor, run_checker
+from tplab.layers.metadata import causal_visible
 
 # (q_len, k_len): prefill, a single token, decode steps, a chunk after a cached prefix
 CASES = [(4, 4), (1, 1), (7, 7), (1, 6), (3, 8), (2, 5)]
@@ -17,7 +17,6 @@ CASES = [(4, 4), (1, 1), (7, 7), (1, 6), (3, 8), (2, 5)]
 def reference_mask(q_len: int, k_len: int) -> torch.Tensor:
     """tplab's mask for one sequence: ``(q_len, k_len)`` bool."""
     return causal_visible(q_len, k_len)
-
 
 
 def _diagnose(mine: torch.Tensor, ref: torch.Tensor, q_len: int, k_len: int) -> str:
@@ -53,10 +52,9 @@ def _dtype_message(mine: torch.Tensor, q_len: int, k_len: int) -> str:
 def _compare(fn):
     for q_len, k_len in CASES:
         mine = fn(q_len, k_len)
-        if mine is None:
-            return False, FORGOT_RETURN
-        if not isinstance(mine, torch.Tensor):
-            return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
+        wrong = not_a_tensor(mine)
+        if wrong:
+            return False, wrong
         if mine.dtype != torch.bool:
             return False, _dtype_message(mine, q_len, k_len)
         if tuple(mine.shape) != (q_len, k_len):

@@ -8,7 +8,7 @@ or ``(out, in / tp)`` piece. Checked against the weights tplab's ``ColumnParalle
 """
 import torch
 
-from tplab.exercises import FORGOT_RETURN, run_checker
+from tplab.exercises import not_a_tensor, run_checker
 from tplab.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 OUT_FEATURES, IN_FEATURES = 12, 8       # not square, so a transposed or swapped shard shows in its shape
@@ -30,7 +30,6 @@ def reference_shard(weight: torch.Tensor, rank: int, tp: int, kind: str) -> torc
     layer = LAYERS[kind](in_features, out_features, bias=False, tp_rank=rank, tp_size=tp)
     layer.weight.weight_loader(layer.weight, weight)
     return layer.weight.data
-
 
 
 def _diagnose(mine: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor, rank: int, tp: int, kind: str) -> str:
@@ -58,10 +57,9 @@ def _compare(fn):
         for tp in TP_SIZES:
             for rank in range(tp):
                 mine = fn(weight.clone(), rank, tp, kind)
-                if mine is None:
-                    return False, FORGOT_RETURN
-                if not isinstance(mine, torch.Tensor):
-                    return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
+                wrong = not_a_tensor(mine)
+                if wrong:
+                    return False, wrong
                 ref = reference_shard(weight, rank, tp, kind)
                 if mine.dtype != ref.dtype:
                     return False, (f"{kind} shard, rank {rank} of tp {tp}: {mine.dtype}, but the weight is "

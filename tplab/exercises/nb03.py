@@ -52,7 +52,8 @@ def _known_mistakes(x, cos, sin):
 
 
 def _run_case(fn, T, H, D, gen):
-    """(status, detail) for one shape: 'ok', 'raised', 'type', 'shape', 'dtype' or 'silent' (ran, wrong numbers)."""
+    """(status, detail) for one shape: 'ok', 'raised', 'type', 'shape', 'dtype' or 'silent' (ran, wrong numbers);
+    status None when ``fn`` returned None, which ends the check at once."""
     x = torch.randn(T, H, D, generator=gen)
     positions = torch.randint(0, 200, (T,), generator=gen)
     cos, sin = rope_table(positions, D)

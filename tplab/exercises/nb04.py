@@ -7,7 +7,7 @@
 """
 import torch
 
-from tplab.exercises import FORGOT_RETURN, run_checker
+from tplab.exercises import not_a_tensor, run_checker
 
 # (B, H_kv, T, D, n_rep): GQA groups of 2 and 3, MQA (one KV head), no repeat, a batch of 2
 CASES = [(1, 2, 5, 4, 2), (2, 3, 4, 2, 2), (1, 2, 3, 4, 3), (1, 1, 4, 2, 4), (2, 4, 3, 2, 1)]
@@ -24,7 +24,6 @@ def checker_kv(b: int, h_kv: int, t: int, d: int) -> torch.Tensor:
     so every head is told apart by its whole part."""
     ramp = torch.arange(b * t * d, dtype=torch.float32).reshape(b, 1, t, d) / (b * t * d)
     return torch.arange(h_kv, dtype=torch.float32)[None, :, None, None] + ramp
-
 
 
 def _heads(x: torch.Tensor) -> list[int]:
@@ -49,10 +48,9 @@ def _compare(fn):
     for b, h_kv, t, d, n_rep in CASES:
         k = checker_kv(b, h_kv, t, d)
         mine = fn(k.clone(), n_rep)
-        if mine is None:
-            return False, FORGOT_RETURN
-        if not isinstance(mine, torch.Tensor):
-            return False, f"returned {type(mine).__name__}, expected a torch.Tensor"
+        wrong = not_a_tensor(mine)
+        if wrong:
+            return False, wrong
         ref = hf_repeat_kv(k, n_rep)
         where = f"H_kv={h_kv}, n_rep={n_rep}"
         if tuple(mine.shape) != tuple(ref.shape):

@@ -8,7 +8,7 @@ block tables in any order.
 import torch
 
 from tplab.exercises import FORGOT_RETURN, ExerciseResult, run_checker
-from tplab.layers.attention import build_metadata
+from tplab.layers.metadata import build_metadata
 
 # (block_table, first new position, context length, block_size): the new tokens are
 # positions first .. context - 1 of one sequence, as the runner feeds them.

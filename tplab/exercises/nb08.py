@@ -26,9 +26,7 @@ def router_choices(hf, ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
     for i, layer in enumerate(hf.model.layers):
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "top_k"):           # an MoE block's router (a dense MLP has none)
-            hooks.append(gate.register_forward_hook(
-                lambda m, args, out, i=i: seen.__setitem__(i, dict(zip(("hidden", "logits", "weights", "ids"),
-                                                                       (args[0].detach(), *out))))))
+            hooks.append(gate.register_forward_hook(_keep_routing(seen, i)))
     try:
         with torch.no_grad():
             hf(torch.tensor([ids]))
@@ -36,6 +34,13 @@ def router_choices(hf, ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
         for h in hooks:
             h.remove()
     return seen
+
+
+def _keep_routing(seen: dict, i: int):
+    """A forward hook for layer ``i``'s router: its input and its outputs (logits, weights, ids) into ``seen[i]``."""
+    def hook(router, args, out):
+        seen[i] = dict(zip(("hidden", "logits", "weights", "ids"), (args[0].detach(), *out)))
+    return hook
 
 
 def rank_shares(choices: dict, num_experts: int, ep_size: int) -> torch.Tensor:

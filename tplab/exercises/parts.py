@@ -33,6 +33,14 @@ from tplab.exercises.watchdog import DidNotReturn, call_bounded
 LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
                 "block_manager": block_manager_probe}
 RANK_PROBES = {"sp_norm_region": sp_region_probe}  # parts alone in the ranks, by their own probe (collectives)
+# Notebook 06's finale's parts, in the model's order, and the notebook whose `# Exercise:` cell writes each.
+NOTEBOOK = {"embedding": "06", "qkv_linear": "02", "attention": "04", "row_linear": "02", "gate_up_linear": "02",
+            "lm_head": "06", "block_manager": "05"}
+# Notebook 07's parts: sequence parallelism's region needs a row_linear that returns partial sums, a stage needs
+# stages; notebook 08's exchange needs an MoE model under data parallelism. Those notebooks judge them in engines
+# with those on, so notebook 06's finale leaves them out.
+EXCHANGE = ("moe_dispatch", "moe_combine")
+AFTER_TP = ("sp_norm_region", "pipeline_stage", *EXCHANGE)
 ONE_ROW = " on one row (a decode step of one sequence, the T == 1 that one prompt alone gives)"
 HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
     *(("attention", words, "if you repeated K/V to the query heads before storing them, the cache (H_kv heads per "
@@ -118,8 +126,10 @@ def _describe_diffs(tp, per_rank) -> str | None:
     bad = [(r, d) for r, d in enumerate(per_rank) if d is not None]
     if not bad:
         return None
-    r, (name, what) = min(bad, key=lambda rd: list(reference()["acts"]).index(rd[1][0]))
-    ranks = f" on rank {r}" + (f" (ranks {[b[0] for b in bad]} differ)" if len(bad) > 1 else "") if tp > 1 else ""
+    r, (name, what) = min(bad, key=lambda rd: list(reference()["acts"]).index(rd[1][0]))   # first in forward order
+    ranks = ""
+    if tp > 1:
+        ranks = f" on rank {r}" + (f" (ranks {[b[0] for b in bad]} differ)" if len(bad) > 1 else "")
     return (f"inside the engine at TP {tp}, {name} is the first sublayer that differs from HF{ranks}: it {what}; "
             "everything before it matches")
 
@@ -240,15 +250,6 @@ def _check_arguments(parts: dict, tensor_parallel_size) -> None:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
 
 
-# Notebook 07's parts: sequence parallelism's region needs a row_linear that returns partial sums, a stage needs
-# stages; notebook 08's exchange needs an MoE model under data parallelism. Those notebooks judge them in engines
-# with those on, so notebook 06's finale leaves them out.
-EXCHANGE = ("moe_dispatch", "moe_combine")
-AFTER_TP = ("sp_norm_region", "pipeline_stage", *EXCHANGE)
-NOTEBOOK = {"gate_up_linear": "02", "row_linear": "02", "qkv_linear": "02", "attention": "04",  # where each part's
-            "block_manager": "05", "embedding": "06", "lm_head": "06"}                    # `# Exercise:` cell is
-
-
 def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 120.0) -> ExerciseResult:
     """Notebook 06's finale: every part in ``parts`` (``{field of tplab.Parts: your class}``, e.g.
     ``workbook.your_parts()``) at once, in one engine at TP 1 and ``tensor_parallel_size``, against HF
@@ -260,8 +261,7 @@ def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 12
     nb07, nb08 = [p for p in later if p not in EXCHANGE], [p for p in later if p in EXCHANGE]
     aside = (f" (notebook 07's {', '.join(nb07)}: judged there, with sequence / pipeline parallelism on)" if nb07
              else "") + (f" (notebook 08's {', '.join(nb08)}: judged there, with data parallelism on)" if nb08 else "")
-    missing = [p for p in ("embedding", "qkv_linear", "attention", "row_linear", "gate_up_linear", "lm_head",
-                           "block_manager") if p not in parts]             # notebook 06's parts, in the model's order
+    missing = [p for p in NOTEBOOK if p not in parts]
     stubs = [p for p, impl in parts.items() if _is_stub(impl, p)]
     if not parts:
         return ExerciseResult(name, None, "not attempted yet: write the part exercises (notebooks 02, 04, 05 and "

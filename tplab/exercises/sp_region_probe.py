@@ -7,7 +7,7 @@ bytes it sends against a reduce-scatter's."""
 import torch
 import torch.nn.functional as F
 
-from tplab.exercises import dist_watch
+from tplab.exercises import FORGOT_RETURN, dist_watch
 from tplab.layers.norm import RMSNorm
 
 E = 8                                   # hidden size: small, divisible by every TP size the check runs at
@@ -40,6 +40,17 @@ def rows(full: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
     return F.pad(full, (0, 0, 0, per_rank * tp_size - full.shape[0]))[rank * per_rank:(rank + 1) * per_rank]
 
 
+CALLS = {"local": "local(full)", "add_first": "add(partial)", "add": "add(partial, residual)",
+         "norm_gather": "norm_gather"}               # each method the check calls, as a learner reads it
+
+
+def _kept(value):
+    """What ``run`` sends back of a method's return: a tensor as fp32, None as None, anything else its type's name."""
+    if value is None:
+        return None
+    return value.detach().float() if isinstance(value, torch.Tensor) else type(value).__name__
+
+
 def run(blob: bytes) -> list[dict]:
     """In a rank: each method of the part (``cloudpickle.dumps``'d) on each T, and the collectives each ran
     (inputs cloned: a method may work in place)."""
@@ -61,9 +72,7 @@ def run(blob: bytes) -> list[dict]:
                     with watch.block() as seen:
                         got[name] = call(region)
                     ops[name] = sorted(seen)
-            out.append({k: v.detach().float() if isinstance(v, torch.Tensor) else None if v is None else
-                        type(v).__name__ for k, v in got.items()}      # not a tensor: its type's name, for diagnose
-                       | {"norm_rows": norm.rows, "ops": ops})
+            out.append({k: _kept(v) for k, v in got.items()} | {"norm_rows": norm.rows, "ops": ops})
     return out
 
 
@@ -106,10 +115,9 @@ def _check_add(got, name, partials, residual, rank, tp, num_tokens) -> str | Non
     want = rows(partials.sum(0), rank, tp) + (0 if name == "add_first" else mine)
     if got[name] is not None and _same(got[name], want):
         return None
-    call = "add(partial)" if name == "add_first" else "add(partial, residual)"
-    where = f"rank {rank}, T = {num_tokens} at TP {tp}: {call}"
+    where = f"rank {rank}, T = {num_tokens} at TP {tp}: {CALLS[name]}"
     if got[name] is None:
-        return f"{where} returned None: did you forget `return`?"
+        return f"{where} {FORGOT_RETURN}"
     if name == "add" and _same(got["add"], got["add_first"]):
         return f"{where} did not add the residual (this rank's tokens of the residual stream, the second argument)"
     shape = f" gave shape {tuple(got[name].shape)}, want {tuple(want.shape)}" if got[name].shape != want.shape else ""
@@ -126,9 +134,10 @@ def _check_norm_gather(got, residual, weight, rank, tp, num_tokens) -> str | Non
     where = f"rank {rank}, T = {num_tokens} at TP {tp}: norm_gather"
     out = got["norm_gather"]
     if out is None:
-        return f"{where} returned None: did you forget `return`?"
+        return f"{where} {FORGOT_RETURN}"
     if out.shape == (x.shape[0], tp * E):
-        return f"{where} gathered on the hidden dimension ({tuple(out.shape)}): all_gather's dim defaults to -1; gather tokens, dim=0"
+        return (f"{where} gathered on the hidden dimension ({tuple(out.shape)}): all_gather's dim defaults to -1; "
+                "gather tokens, dim=0")
     if out.shape[0] > num_tokens and _same(out[:num_tokens], want):
         return f"{where} kept the padding rows ({out.shape[0]} rows for {num_tokens} tokens): drop them after gathering"
     if _same(out, torch.cat([rows(residual, r, tp) for r in range(tp)])[:num_tokens]):
@@ -136,8 +145,10 @@ def _check_norm_gather(got, residual, weight, rank, tp, num_tokens) -> str | Non
     if _same(out, norm(want)):
         return (f"{where} applied the norm twice (to this rank's tokens, then to the gathered ones): the next "
                 "layer takes the gathered tokens as they are")
+    if out.shape != want.shape:
+        return f"{where} returned shape {tuple(out.shape)}: return the (T, E) = {tuple(want.shape)} normed tokens"
     if not _same(out, want):
-        return f"{where} differs from the norm of every token (max {float((out - want).abs().max()) if out.shape == want.shape else float('inf'):.1e})"
+        return f"{where} differs from the norm of every token by up to {float((out - want).abs().max()):.1e}"
     if got["norm_rows"] != x.shape[0]:
         return (f"{where} is right, but the norm ran on {got['norm_rows']} token rows on this rank, not its "
                 f"{x.shape[0]}: it normed the gathered tokens, the work SP exists to split. Norm, then gather")
@@ -167,14 +178,13 @@ def _not_tensors(got, rank, tp, num_tokens) -> str | None:
     name = next((n for n in RETURNS if isinstance(got[n], str)), None)
     if name is None:
         return None
-    call = {"add_first": "add(partial)", "add": "add(partial, residual)"}.get(name, name)
-    return (f"rank {rank}, T = {num_tokens} at TP {tp}: {call} returned a {got[name]}, not a tensor: return only "
+    return (f"rank {rank}, T = {num_tokens} at TP {tp}: {CALLS[name]} returned a {got[name]}, not a tensor: return only "
             f"{RETURNS[name]}")
 
 
-ALL_REDUCE = ("an all-reduce leaves every token's sum on every rank, and keeping this rank's rows throws (t - 1) / t "
-              "of it away: that is plain TP's all-reduce, and with norm_gather's all-gather after it each region "
-              "moves 1.5x plain TP's bytes instead of the same")
+ALL_REDUCE_WASTE = ("an all-reduce leaves every token's sum on every rank, and keeping this rank's rows throws "
+                    "(t - 1) / t of it away: that is plain TP's all-reduce, and with norm_gather's all-gather after it "
+                    "each region moves 1.5x plain TP's bytes instead of the same")
 ADVICE = {"add": "Reduce-scatter the partial sums, padded with zero rows to per_rank * tp_size (F.pad), over tokens, "
                  "and nothing more: reduce_scatter(padded, tp_size, dim=0)",
           "norm_gather": "Norm this rank's tokens and all-gather them over tokens: all_gather(norm(x), tp_size, dim=0)",
@@ -183,13 +193,12 @@ ADVICE = {"add": "Reduce-scatter the partial sums, padded with zero rows to per_
 
 def _wrong_collectives(name, ops, right, rank, tp, num_tokens) -> str:
     """What a method that gives the right numbers with the wrong collectives did, with the bytes it sends."""
-    call = {"add_first": "add(partial)", "add": "add(partial, residual)"}.get(name, name)
     ran = " + ".join(f"{op} of {n} B" for op, n in ops) or "no collective"
     should = " + ".join(f"one {op} of {n} B" for op, n in right) or "no collective"
     mine, sp = (sum(dist_watch.sent(op, n, tp) for op, n in x) for x in (ops, right))
-    return (f"rank {rank}, T = {num_tokens} at TP {tp}: {call} gives the right numbers, but it ran {ran} (put in) "
+    return (f"rank {rank}, T = {num_tokens} at TP {tp}: {CALLS[name]} gives the right numbers, but it ran {ran} (put in) "
             f"where sequence parallelism runs {should}. Counted as notebook 07 counts a ring, it sends {mine:g} B "
-            f"from each rank, where SP sends {sp:g} B: " + f"{ALL_REDUCE}. " * any(op == "all_reduce" for op, _ in ops)
+            f"from each rank, where SP sends {sp:g} B: " + f"{ALL_REDUCE_WASTE}. " * any(op == "all_reduce" for op, _ in ops)
             + ADVICE[name.removesuffix("_first")])
 
 
@@ -203,9 +212,12 @@ def diagnose(results: list[list[dict]], tp: int) -> tuple[bool, str]:
             why = _not_tensors(got, rank, tp, num_tokens)
             if why:
                 return False, why
-            if got["local"] is None or not _same(got["local"], rows(residual, rank, tp)):
-                return False, (f"rank {rank}, T = {num_tokens} at TP {tp}: local(full) must be this rank's rows "
-                               f"[r * per_rank, (r + 1) * per_rank) of the tokens padded to a multiple of {tp}")
+            where = f"rank {rank}, T = {num_tokens} at TP {tp}: local(full)"
+            if got["local"] is None:
+                return False, f"{where} {FORGOT_RETURN}"
+            if not _same(got["local"], rows(residual, rank, tp)):
+                return False, (f"{where} must be this rank's rows [r * per_rank, (r + 1) * per_rank) of the tokens "
+                               f"padded to a multiple of {tp}")
             why = _check_add(got, "add_first", partials, residual, rank, tp, num_tokens) or \
                 _check_add(got, "add", partials, residual, rank, tp, num_tokens) or \
                 _check_norm_gather(got, residual, weight, rank, tp, num_tokens)
