@@ -35,7 +35,8 @@ def hf_reference(model, prompts):
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device="cuda")
-            tokens = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
+            tokens = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None,   # as ignore_eos
+                                    pad_token_id=0)[0, len(p):].tolist()
             logits = model(torch.tensor([p + tokens], device="cuda")).logits[0, len(p) - 1:].float().cpu()
             out.append((tokens, logits))
     return out

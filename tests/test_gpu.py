@@ -50,7 +50,10 @@ def hf_cuda():
             with torch.no_grad():
                 for p in prompts:
                     ids = torch.tensor([p], device="cuda")
-                    out = hf.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(p):]
+                    # as ignore_eos: never stop at EOS, and never ban it (min_new_tokens would)
+                    out = hf.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(p):]
+                    assert len(out) == NEW, len(out)
                     logits = hf(torch.tensor([p + out.tolist()], device="cuda")).logits[0].float()
                     logprobs = logits.log_softmax(-1)
                     cache[dtype, stories].append((out.tolist(), [logprobs[len(p) - 1 + i, t].item()
