@@ -6,6 +6,7 @@ the backend the notebooks pick. Greedy tokens must equal HF's (in bf16, ``tolera
 them); logprobs stay within the dtype's bound (``tplab.tolerance.logprob_bound`` of HF's logits).
 Without CUDA every test is skipped, with the reason (``-rs``).
 """
+import gc
 import math
 import sys
 
@@ -167,6 +168,7 @@ def test_the_kv_cache_takes_90_percent_of_the_gpu_memory_left_after_the_weights(
                                     intermediate_size=256, num_hidden_layers=4, max_position_embeddings=131072)
     max_num_seqs, block_size = 64, 16
     useful = max_num_seqs * math.ceil(131072 / block_size)   # 64 sequences of 131072 tokens: 256 GiB in fp32
+    gc.collect()                     # an earlier test's engine or HF model, held only by a reference cycle
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]
     llm = LLM(path, device="cuda", max_num_seqs=max_num_seqs, block_size=block_size)

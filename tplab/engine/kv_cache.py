@@ -46,7 +46,7 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
         budget -= graph_memory_for(cfg)
     budget //= pp
     useful = cfg.max_num_seqs * cdiv(cfg.hf_config.max_position_embeddings, cfg.block_size)
-    blocks = torch.tensor(min(budget // spec.bytes_per_block(), useful))
+    blocks = torch.tensor(min(budget // spec.bytes_per_block(), useful), device=device)  # NCCL takes CUDA tensors only
     if cfg.kv_cache_memory is not None:
         _check_free(int(blocks) * pp * spec.bytes_per_block(), device, f"kv_cache_memory={cfg.kv_cache_memory:,}")
     if dist.is_initialized():  # ranks must agree, or their schedulers would diverge

@@ -49,7 +49,7 @@ def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: 
     past_end = torch.arange(block_size, device=device) >= tensor(filled)[:, None]        # (nb, bs)
     lens = [context_lens[b] for b in seqs]
     return DecodeBlocks(seqs, tensor(token_index), tensor(blocks),
-                        torch.repeat_interleave(torch.arange(len(seqs), device=device), tensor(counts)),
+                        tensor([i for i, n in enumerate(counts) for _ in range(n)]),
                         tensor(counts), lens, past_end, tensor(padded),
                         torch.arange(width * block_size, device=device) >= tensor(lens)[:, None])
 
