@@ -18,6 +18,7 @@ from tplab.engine.probe import load_model, probe
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.worker import Worker
 from tplab.models.checkpoints import tiny_stories
+from tplab.exercises import FORGOT_RETURN
 from tplab.exercises.layer_probes import ForgotReturn
 from tplab.exercises.watchdog import bound_for, call_bounded
 from tplab import golden
@@ -57,7 +58,7 @@ def checked(obj):
     def part(*args, **kwargs):
         out = obj(*args, **kwargs)
         if out is None:
-            raise ForgotReturn(f"{obj.__name__} returned None: did you forget `return`?")
+            raise ForgotReturn(f"{obj.__name__} {FORGOT_RETURN}")
         return out
     return part
 
@@ -79,7 +80,7 @@ def engine_acts(cfg, prompt):
 
     def no_none(module, _, out):
         if out is None:
-            raise ForgotReturn(f"{type(module).__name__}.forward returned None: did you forget `return`?")
+            raise ForgotReturn(f"{type(module).__name__}.forward {FORGOT_RETURN}")
     for module in model.modules():
         if classes and isinstance(module, classes):
             module.register_forward_hook(no_none)

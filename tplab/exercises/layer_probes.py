@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tplab.exercises import FORGOT_RETURN
+
 E, I, H, H_KV, D, V = 8, 12, 4, 2, 4, 11      # small, unequal sizes: a swapped dimension shows in a shape
 
 
@@ -20,7 +22,7 @@ class ForgotReturn(RuntimeError):
 def returned(out, what: str):
     """``out``, a part's return, when it is a tensor; else ForgotReturn saying what to return instead (``what``)."""
     if out is None:
-        raise ForgotReturn("forward returned None: did you forget `return`?")
+        raise ForgotReturn(f"forward {FORGOT_RETURN}")
     if not isinstance(out, torch.Tensor):
         raise ForgotReturn(f"forward returned a {type(out).__name__}, not a tensor: return only {what}")
     return out
