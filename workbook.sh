@@ -26,9 +26,14 @@ print(" ".join(m for m in ["torch", "transformers", "safetensors", "cloudpickle"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 }
 
+need_python() {
+  python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || {
+    echo "workbook: Python 3.10 or newer is needed (3.11 tested); found: $(python3 -V 2>&1)" >&2; exit 1; }
+}
+
 setup() {   # $@: modules the command needs, checked in an environment of your own (TPLAB_PYTHON)
   if [ -n "${TPLAB_PYTHON:-}" ]; then own_python "$@"; return; fi
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  [ -x "$VENV/bin/python" ] || { need_python; python3 -m venv "$VENV"; }
   local want stamp="$VENV/.tplab-installed"
   want=$(cat requirements.txt pyproject.toml | sha1sum)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -91,9 +96,7 @@ case "$cmd" in
   test-browser)
           setup pytest jupyterlab; browser_deps
           exec "$PY" -m pytest -p no:cacheprovider --timeout 600 -v tests/browser/lab_in_chromium.py "$@" ;;
-  doctor) python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || {
-            echo "workbook: Python 3.10 or newer is needed (3.11 tested); found: $(python3 -V 2>&1)" >&2; exit 1; }
-          setup; exec "$PY" scripts/doctor.py "$@" ;;
+  doctor) need_python; setup; exec "$PY" scripts/doctor.py "$@" ;;
   python) setup; exec "$PY" "$@" ;;
   *)      sed -n '2,8p' "$0"; exit 2 ;;
 esac

@@ -32,7 +32,7 @@ def resolve_model(model) -> Path:
         return path
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         raise FileNotFoundError(f"{model} is not a local folder, and HF_HUB_OFFLINE is set so it cannot be "
-                                "downloaded: pass the folder of a downloaded checkpoint, or unset HF_HUB_OFFLINE")
+                                "downloaded: pass the folder of a downloaded checkpoint, or set HF_HUB_OFFLINE=0")
     from huggingface_hub import snapshot_download
     return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
 
