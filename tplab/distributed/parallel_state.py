@@ -83,8 +83,8 @@ def _tp_group(tp_size: int) -> tuple[object, Layout | None]:
     if layout is not None and layout.tp_size == tp_size:
         return layout.group, layout
     # A layer built for tp_size > 1 in a process without a matching group would otherwise
-    # return a partial sum that looks like a real activation. One built for the whole world runs over it
-    # (ranks kept between checks may have run a pipeline before: its stages' groups do not match then).
+    # return a partial sum that looks like a real activation. One built for the whole world runs over it,
+    # even where a layout left from an earlier pipeline run in these ranks says otherwise (a RankGroup reused).
     if dist.is_initialized() and dist.get_world_size() == tp_size:
         return None, None
     have = (f"a TP group of {layout.tp_size}" if layout is not None else

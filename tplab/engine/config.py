@@ -83,7 +83,7 @@ def _positive_int(name: str, value) -> None:
 
 def plain_config(hf_config):
     """The checkpoint config's numbers in a plain namespace: what the engine reads, picklable as is, and
-    a rank that receives it needs no transformers import (a second or more of start-up each). Fields HF
+    a rank that receives it needs no transformers import (slow: it would delay every rank's start). Fields HF
     keeps under another name (``attribute_map``: Qwen3-MoE's ``num_experts`` is ``num_local_experts``) are
     there under both."""
     if isinstance(hf_config, SimpleNamespace):

@@ -6,11 +6,10 @@ the answers back in prompt order (``in_prompt_order``). A dense model's DP ranks
 An MoE model's experts are spread over every rank, so every forward pass exchanges tokens with every DP rank:
 the DP ranks step together (vLLM's lockstep). Each step they agree whether any of them has work
 (``parallel_state.dp_any``, one all-reduce of one number, in ``LLMEngine.generate``), and a DP rank with nothing
-scheduled runs the model's ``dummy_forward`` (``LockstepLoop``), whose MoE layers send and receive no
+scheduled runs the model's ``dummy_forward`` (``LLMEngine.step``), whose MoE layers send and receive no
 tokens, so that the others' exchanges complete. Under pipeline parallelism a DP rank is a pipeline, and its stage
 with no batch in a tick runs its own layers' ``dummy_forward`` (``PipelineLoop`` with ``lockstep``).
 """
-from tplab.engine.pipeline_loop import PlainLoop
 
 
 def split_prompts(lengths: list[int], dp_size: int) -> list[list[int]]:
@@ -34,14 +33,3 @@ def in_prompt_order(answers: list[list], shares: list[list[int]]) -> list:
         for i, a in zip(share, answer):
             ordered[i] = a
     return ordered
-
-
-class LockstepLoop(PlainLoop):
-    """``PlainLoop`` for a DP rank whose forward passes exchange tokens with the other DP ranks (an MoE model
-    under data parallelism): in a step with nothing scheduled it runs the model's ``dummy_forward``."""
-
-    def run(self, tick: int, in_flight: list) -> tuple[int, list] | None:
-        if in_flight[0] is None:
-            self.runner.model.dummy_forward()              # join every MoE layer's exchange with no tokens
-            return None
-        return super().run(tick, in_flight)

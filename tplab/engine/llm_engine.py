@@ -15,11 +15,10 @@ import torch.distributed as dist
 from tplab.distributed.parallel_state import dp_any, init_model_parallel, pp_rank_and_size, tp_rank_and_size
 from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
-from tplab.engine.data_parallel import LockstepLoop
 from tplab.engine.kv_cache import kv_cache_spec, num_kv_blocks, static_max_blocks
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import ModelRunner
-from tplab.engine.pipeline_loop import InFlight, PipelineLoop, PlainLoop, check_stages
+from tplab.engine.pipeline_loop import InFlight, PipelineLoop, check_stages
 from tplab.engine.progress import Progress
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
@@ -92,7 +91,7 @@ class LLMEngine:
         if pp > 1:
             check_stages(stage, cfg.hf_config.num_hidden_layers, cfg.tensor_parallel_size)
         if cfg.compile:                    # opt-in: torch.compile, eager where it cannot
-            from tplab.engine.compiled import compile_model   # here: importing dynamo costs a second
+            from tplab.engine.compiled import compile_model   # here: only compile=True needs dynamo, slow to import
             why_not = ("check_finite=True watches every sublayer" if cfg.check_finite else
                        "pipeline parallelism runs the layers stage by stage" if pp > 1 else None)
             compile_model(self.model, eager_because=why_not)
@@ -105,10 +104,10 @@ class LLMEngine:
         self.scheduler = self.schedulers[0]                                # the only one without PP
         # an MoE model's DP ranks step together: one with nothing to run joins the experts' exchanges
         self.lockstep = steps_in_lockstep(cfg.hf_config, cfg.data_parallel_size)
-        # how a step runs the batches in flight: through this rank's pipeline stage, or all of it at once
-        self.loop = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype, self.lockstep) if pp > 1
-                     else LockstepLoop(self.runner) if self.lockstep else PlainLoop(self.runner))
-        self.in_flight: list[InFlight | None] = [None] * pp                # per virtual engine
+        # under pipeline parallelism: this rank's stage, running the p batches in flight one tick a step
+        self.pipeline = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype, self.lockstep)
+                         if pp > 1 else None)
+        self.in_flight: list[InFlight | None] = [None] * pp                # per virtual engine (PP only)
         self.num_ticks = self.num_idle = 0
         self.num_steps = 0                 # batches run to the end (postprocessed)
 
@@ -133,7 +132,8 @@ class LLMEngine:
         seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, p, sp in zip(indices, prompts, params)]
         bar = Progress(seqs) if use_tqdm and (not dist.is_initialized() or dist.get_rank() == 0) else None
         self.runner.metadata.clear()           # sequence ids start again at 0 in every call
-        self.loop.timeline = []
+        if self.pipeline is not None:
+            self.pipeline.timeline = []
         for seq in seqs:
             self.add_request(seq)
         try:
@@ -166,22 +166,38 @@ class LLMEngine:
         it sampled. Returns the sequences that finished. Under pipeline parallelism (p stages) a step is one
         tick: virtual engine ``tick mod p`` schedules its next batch, this rank's stage runs the batch that
         reached it, and the batch that the last stage finished is postprocessed (``PipelineLoop``)."""
+        if self.pipeline is None:
+            batch = self.scheduler.schedule() if self.scheduler.has_work() else []     # 1. schedule
+            self._check_progress(idle=not batch)
+            if not batch:
+                if self.lockstep:  # an MoE model's DP ranks step together: join the experts' exchanges, no tokens
+                    self.model.dummy_forward()
+                return []
+            tokens = self.runner.step(batch)                                            # 2. run
+            self.num_steps += 1
+            return self.scheduler.postprocess(batch, tokens)                            # 3. postprocess
+
         tick, p = self.num_ticks, len(self.schedulers)
         self.num_ticks += 1
         v = tick % p
         if self.in_flight[v] is None and self.schedulers[v].has_work():
-            batch = self.schedulers[v].schedule()                          # 1. schedule
+            batch = self.schedulers[v].schedule()                                       # 1. schedule
             self.in_flight[v] = InFlight(tick, batch) if batch else None
-        self.num_idle = self.num_idle + 1 if self.has_unfinished() and not any(self.in_flight) else 0
-        if self.num_idle > p:
-            raise RuntimeError("requests are left but no scheduler could schedule a batch")
-        done = self.loop.run(tick, self.in_flight)                         # 2. run: (engine, sampled tokens)
+        self._check_progress(idle=not any(self.in_flight))
+        done = self.pipeline.run(tick, self.in_flight)                     # 2. run: (engine, sampled tokens)
         if done is None:
             return []
         v, tokens = done
         batch, self.in_flight[v] = self.in_flight[v].batch, None
         self.num_steps += 1
-        return self.schedulers[v].postprocess(batch, tokens)               # 3. postprocess
+        return self.schedulers[v].postprocess(batch, tokens)                            # 3. postprocess
+
+    def _check_progress(self, idle: bool) -> None:
+        """Raise when requests are left but more steps in a row than there are batches in flight ran nothing:
+        no scheduler can schedule them, and ``generate`` would loop for ever."""
+        self.num_idle = self.num_idle + 1 if idle and self.has_unfinished() else 0
+        if self.num_idle > len(self.schedulers):
+            raise RuntimeError("requests are left but no scheduler could schedule a batch")
 
     def stats(self) -> dict:
         """This rank's counters, summed over the schedulers (one per batch in flight under PP)."""
@@ -198,7 +214,7 @@ class LLMEngine:
 
     def timeline(self) -> list[dict]:
         """This rank's ticks of the last ``generate`` under pipeline parallelism (``PipelineLoop.timeline``)."""
-        return [dataclasses.asdict(t) for t in self.loop.timeline]
+        return [] if self.pipeline is None else [dataclasses.asdict(t) for t in self.pipeline.timeline]
 
     def _generator(self, index: int, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:

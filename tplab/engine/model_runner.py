@@ -67,7 +67,8 @@ class ModelRunner:
     def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions_of=token_positions,
                  kv_layers=None, num_virtual_engines: int = 1, static_decode=None):
         self.model, self.device = model, torch.device(device)
-        self.positions_of = positions_of            # Parts.positions: checked against the cache, which decides
+        self.positions_of = positions_of            # Parts.positions: only checked (a wrong one raises); RoPE
+                                                    # takes the positions the cache lengths give
         self.num_blocks = num_blocks                # the block manager's; a static decode adds a scratch block
         kv_layers = range(spec.num_layers) if kv_layers is None else kv_layers
         num_layers = max(spec.num_layers, max(kv_layers, default=-1) + 1)

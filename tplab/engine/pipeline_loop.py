@@ -60,20 +60,6 @@ def check_stages(stage, num_layers: int, tp_size: int) -> None:
         raise ValueError(f"the pipeline stages own layers 0..{end - 1} but the model has {num_layers}")
 
 
-class PlainLoop:
-    """Every layer on this rank (no pipeline): the batch scheduled in a step runs, and is sampled, in that step."""
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.timeline: list[Tick] = []                     # ticks are a pipeline's; one stage keeps none
-
-    def run(self, tick: int, in_flight: list[InFlight | None]) -> tuple[int, list] | None:
-        """Run the batch scheduled at ``tick``; ``(0, its sampled tokens)``, None if nothing was scheduled."""
-        if in_flight[0] is None:
-            return None
-        return 0, self.runner.step(in_flight[0].batch)
-
-
 class PipelineLoop:
     """This rank's stage of a pipeline with p batches in flight, one tick at a time (``LLMEngine.step``)."""
 
@@ -100,7 +86,7 @@ class PipelineLoop:
         """This stage's part of tick ``tick``: the batch of virtual engine ``v`` if it reached this stage now."""
         start, stage = time.monotonic(), self.stage
         if job is None or job.tick != tick - stage.pp_rank:
-            if self.lockstep:                                # its MoE layers with no tokens, as LockstepLoop
+            if self.lockstep:                                # its MoE layers with no tokens (as LLMEngine.step)
                 self.runner.model.dummy_forward()
             self.timeline.append(Tick(tick, stage.pp_rank, None, 0, start, start, time.monotonic()))
             return None

@@ -7,8 +7,9 @@ Waiting prompts then join while there are sequence slots, budget and free blocks
 budget left starts with a chunk and continues in the next steps, beside the others' decodes (vLLM's default
 scheduling). Only the step that feeds a sequence's last uncached token samples a token for it.
 ``schedule`` only sets how many tokens each sequence feeds (and, at admission, how many it prefills); after
-the step, ``postprocess`` is the one place where its tokens and its count of cached tokens change (the block
-manager's own prefix-cache bookkeeping aside).
+the step, ``postprocess`` is the one place where its tokens change, and its count of cached tokens changes
+only there and in the block manager (``allocate`` sets the cached prefix at admission, ``free`` resets it to 0
+when it finishes or is preempted).
 
 When the blocks run out, the most recently admitted running sequence that is not in the middle of its
 prefill is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed

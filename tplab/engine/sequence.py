@@ -39,8 +39,8 @@ class Sequence:
 
     @property
     def num_new_tokens(self) -> int:
-        """Tokens the current step feeds: ``num_scheduled_tokens`` when the scheduler has set it (a chunk),
-        else every uncached one."""
+        """Tokens the current step feeds: ``num_scheduled_tokens`` (the scheduler sets it for every sequence it
+        schedules); without a scheduler (a sequence made by hand), every uncached one."""
         return self.num_scheduled_tokens or len(self) - self.num_cached_tokens
 
     def new_token_ids(self) -> list[int]:

@@ -59,7 +59,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     s = torch.baddbmm(qb.new_empty(()), qb, kb.transpose(1, 2), beta=0, alpha=scale)  # (nb, H, bs*H_kv)
     masked = score_mask(dec, h, k_cache.shape[2])
     # reductions over each sequence's blocks (they lie one sequence after another). unsafe: the lengths, built
-    # by decode_blocks and each >= 1, go unchecked; the check costs 11 ops and, on a GPU, two host syncs
+    # by decode_blocks and each >= 1, go unchecked; the check costs ops and, on a GPU, two host syncs
     per_seq = dict(lengths=dec.num_blocks, unsafe=True)
     m = torch.segment_reduce(s.masked_fill_(masked, float("-inf")).amax(-1), "max", **per_seq)     # (Bd, H)
     # exp of a score more than 80 below its row's max is under 2e-35, too small to change an fp32 sum
@@ -77,7 +77,7 @@ def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """``paged_decode`` as a GPU runs it best: the same inputs and result, in a few kernel launches a layer.
 
     On a GPU a decode step is bound by launching kernels, not by the bytes moved, and ``paged_decode`` takes
-    about 30 launches a layer (its segment reductions and casts). Here each sequence's blocks are gathered
+    dozens of launches a layer (its segment reductions and casts). Here each sequence's blocks are gathered
     into one padded row, ``(Bd, nb_max * bs, H_kv, D)``, and one SDPA call attends them under a mask that
     hides the padding (``padded_bias``, made once per step). GQA without repeating the KV heads:
     the G query heads of a KV head are viewed as G queries of one sequence (one decode query each, so no

@@ -122,8 +122,12 @@ class Qwen2DecoderLayer(nn.Module):
         return Qwen2MLP(config, parts, tp_rank, tp_size, sequence_parallel)
 
     def forward(self, x, kv_cache, meta, sp=None):
-        hidden, residual = self.forward_unsummed(x, kv_cache, meta, sp)
-        return residual + hidden
+        """The residual stream after this layer: ``x`` plus attention, plus the MLP, each of its normed input."""
+        if sp is not None:
+            hidden, residual = self.forward_unsummed(x, kv_cache, meta, sp)
+            return residual + hidden
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_unsummed(self, x, kv_cache, meta, sp=None):
         """``(hidden, residual)``: the MLP's output and the residual stream it is added to, whose sum
