@@ -25,6 +25,7 @@ CASES = {
                                                                      v if r == tp - 1 else (r + 1) * (v // tp)),
         "the end runs past the vocabulary": lambda v, r, tp: (r * ceil(v, tp), (r + 1) * ceil(v, tp)),
         "end is exclusive": lambda v, r, tp: (r * ceil(v, tp), min((r + 1) * ceil(v, tp), v) - 1),
+        "its end is its start, never before it": lambda v, r, tp: (r * ceil(v, tp), min((r + 1) * ceil(v, tp), v)),
     }),
 }
 

@@ -151,3 +151,17 @@ def test_the_config_is_resolved_once_frozen_and_reaches_ranks_as_is(checkpoint, 
     assert gemms and all(not g.onednn and not g.pack for g in gemms)               # F.linear, as asked
     with pytest.raises(TypeError, match=r"unknown setting\(s\) \['tensor_parallel'\]; the settings are"):
         LLM(checkpoint("gqa"), tensor_parallel=2)
+
+
+def test_a_lazy_slice_indexed_like_a_tensor_says_how_to_take_rows(checkpoint):
+    """A weight_loader that writes ``loaded[a:b]`` (as on a tensor) is told to narrow instead; so is one run by
+    ``check_part``, whose probe hands over a ``TensorSlice`` of the same kind."""
+    from safetensors import safe_open
+
+    from tplab.exercises.layer_probes import TensorSlice
+    with safe_open(str(checkpoint("gqa") / "model.safetensors"), framework="pt") as f:
+        name = next(iter(f.keys()))
+        lazy = LazySlice(f.get_slice(name), name)
+        for sliced in (lazy, TensorSlice(torch.zeros(4, 2))):
+            with pytest.raises(TypeError, match=r"not indexed: take your rows with \.narrow\(dim, start, length\)"):
+                sliced[0:2]

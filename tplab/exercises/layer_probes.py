@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tplab.exercises import FORGOT_RETURN
+from tplab.models.loader import LazySlice
 
 E, I, H, H_KV, D, V = 8, 12, 4, 2, 4, 11      # small, unequal sizes: a swapped dimension shows in a shape
 
@@ -33,6 +34,8 @@ class TensorSlice:
 
     def __init__(self, tensor: torch.Tensor):
         self._t, self.shape = tensor, tuple(tensor.shape)
+
+    __getitem__ = LazySlice.__getitem__                # says how to take rows instead
 
     def narrow(self, dim: int, start: int, length: int) -> "TensorSlice":
         if start < 0 or length < 0 or start + length > self.shape[dim]:

@@ -13,7 +13,7 @@ from tplab.exercises import FORGOT_RETURN, ExerciseResult, run_checker
 from tplab.layers.embed_head import VocabParallelEmbedding
 
 # (vocab_size, tp): divisible, odd, and small vocabularies where padding shows.
-CASES = [(2048, 1), (2048, 2), (2048, 4), (251, 2), (251, 4), (10, 4), (7, 4), (151936, 8), (151655, 8)]
+CASES = [(2048, 1), (2048, 2), (2048, 4), (251, 2), (251, 4), (10, 4), (7, 4), (10, 8), (151936, 8), (151655, 8)]
 
 
 def _reference(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
@@ -35,6 +35,8 @@ MISTAKES = [  # (what the usual mistake computes, what it means)
      "are not real rows. end = min((r + 1) * per_rank, vocab_size), and never before start"),
     (lambda v, r, tp: (r * _ceil(v, tp), min((r + 1) * _ceil(v, tp), v) - 1), "end is exclusive: [start, end) holds "
      "end - start rows, so end = min((r + 1) * per_rank, vocab_size), not one less"),
+    (lambda v, r, tp: (r * _ceil(v, tp), min((r + 1) * _ceil(v, tp), v)), "a rank that starts past the vocabulary "
+     "(vocab_size 10 at tp 8: ranks 5 to 7) holds padding only, no real row: its end is its start, never before it"),
 ]
 
 

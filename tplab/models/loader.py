@@ -35,6 +35,10 @@ class LazySlice:
     def shape(self) -> tuple[int, ...]:
         return tuple(s.stop - s.start for s in self._index)
 
+    def __getitem__(self, index):
+        raise TypeError("a lazy slice of a checkpoint tensor is not indexed: take your rows with "
+                        ".narrow(dim, start, length), then copy_into(param, that) (.materialize() reads it)")
+
     def narrow(self, dim: int, start: int, length: int) -> "LazySlice":
         dim = dim % len(self._index)
         if start < 0 or length < 0 or start + length > self.shape[dim]:
