@@ -7,7 +7,8 @@ import torch
 
 from tplab.kernels.attend import sdpa_attend
 from tplab.kernels.paged_decode import dense_decode, paged_decode
-from tplab.layers.attention import Attention, build_metadata, causal_visible
+from tplab.layers.attention import Attention
+from tplab.layers.metadata import build_metadata, causal_visible
 
 H, H_KV, D = 6, 2, 8
 

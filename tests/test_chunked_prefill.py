@@ -10,7 +10,7 @@ from tplab.layers.metadata import MetadataBuilder
 from tplab.engine.model_runner import token_positions
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
-from tplab.layers.attention import build_metadata
+from tplab.layers.metadata import build_metadata
 
 MAX_TOKENS = 8
 SHARED = list(range(60, 100))                                       # a 40-token prefix

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tplab.layers.metadata import AttentionMetadata, build_metadata, causal_visible  # noqa: F401 (the notebooks import them from here)
+from tplab.layers.metadata import AttentionMetadata
 
 
 def plain_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
