@@ -19,6 +19,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the mistakes be
 dispatch, combine = define("moe_dispatch")["moe_dispatch"], define("moe_combine")["moe_combine"]
 select_experts = define("select_experts")["select_experts"]
 NAMED_WITHIN_S = 60
+PAIRS = "order holds pair indices (T_r k of them, T_r tokens with k experts each), not token indices"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -156,6 +157,22 @@ def token_indices(x, ids, num_experts, ep_rank, ep_size):
     return received, local, order // ids.shape[1], traffic
 
 
+def _rows_of(x, ids, num_experts, ep_rank, ep_size, rows):
+    """The reference dispatch, but sending ``rows(order)`` of x, a learner's mix-up of pair and token indices."""
+    per_rank, order, counts = _plan(ids, num_experts, ep_size)
+    plan = ep_all_gather(counts, ep_size).view(ep_size, ep_size, per_rank)
+    local = torch.arange(per_rank).repeat(ep_size).repeat_interleave(plan[:, ep_rank].flatten())
+    return all_to_all(x[rows(order)], plan.sum(-1).tolist()), local, order, plan.sum(-1).tolist()
+
+
+def rows_at_pair_indices(x, ids, num_experts, ep_rank, ep_size):           # x[order]: raises IndexError
+    return _rows_of(x, ids, num_experts, ep_rank, ep_size, lambda order: order)
+
+
+def rows_at_pair_indices_mod_t(x, ids, num_experts, ep_rank, ep_size):     # x[order % T]: real rows, wrong tokens
+    return _rows_of(x, ids, num_experts, ep_rank, ep_size, lambda order: order % x.shape[0])
+
+
 def never_sends(x, ids, num_experts, ep_rank, ep_size):
     if ep_rank == 1:                                            # rank 1 "has nothing to send"
         return x[:0], torch.zeros(0, dtype=torch.long), ids.flatten().argsort(), [[0, 0], [0, 0]]
@@ -202,6 +219,14 @@ def wrong_tokens(y, order, traffic, weights):
     return _sum(back * weights.flatten()[order].unsqueeze(-1), torch.arange(back.shape[0]) // k, weights.shape[0])
 
 
+def tokens_are_pair_indices(y, order, traffic, weights):             # index_add_ at order: out of bounds
+    return _sum(_back(y, traffic) * weights.flatten()[order].unsqueeze(-1), order, weights.shape[0])
+
+
+def tokens_are_pair_indices_mod_t(y, order, traffic, weights):
+    return _sum(_back(y, traffic) * weights.flatten()[order].unsqueeze(-1), order % weights.shape[0], weights.shape[0])
+
+
 def per_pair(y, order, traffic, weights):
     return _back(y, traffic) * weights.flatten()[order].unsqueeze(-1)
 
@@ -218,6 +243,9 @@ MISTAKES = [("moe_dispatch", global_ids, "global expert ids used as local ones")
             ("moe_dispatch", idle_skips, "every rank must join every exchange"),
             ("moe_dispatch", token_order, "the rows sent to a rank are those of the pairs whose expert it holds"),
             ("moe_dispatch", token_indices, "order holds token indices"),
+            ("moe_dispatch", rows_at_pair_indices, f"Hint: a pair index taken for a token index? {PAIRS}"),
+            ("moe_dispatch", rows_at_pair_indices_mod_t, f"x's rows at order % T_r (a pair index taken for a token "
+                                                         f"index): {PAIRS}"),
             ("moe_dispatch", never_sends, "rank 1 returned without joining"),
             ("moe_dispatch", keeps_its_rows, "nothing was exchanged"),
             ("moe_dispatch", spins, "did not return within"),
@@ -226,6 +254,9 @@ MISTAKES = [("moe_dispatch", global_ids, "global expert ids used as local ones")
             ("moe_combine", weights_in_arrival_order, "weighted by another pair's weight"),
             ("moe_combine", wrong_tokens, "tokens combined in the wrong order"),
             ("moe_combine", per_pair, "one row a pair"),
+            ("moe_combine", tokens_are_pair_indices, f"Hint: a pair index taken for a token index? {PAIRS}"),
+            ("moe_combine", tokens_are_pair_indices_mod_t, f"output i added into token order[i] % T_r (a pair index "
+                                                           f"taken for a token index): {PAIRS}"),
             ("moe_combine", idle_returns_early, "Every rank must join every exchange")]
 
 

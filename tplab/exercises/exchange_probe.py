@@ -5,13 +5,15 @@
    each rank returns is read back to its sender and token, so the message names the mistake: global expert ids
    used as local ones, the traffic matrix from one rank's counts (or transposed), rows sent to the wrong rank,
    an ``order`` that does not follow them; for the combine, outputs not weighted, weighted by another pair's
-   weight, or added into the wrong tokens.
+   weight, or added into the wrong tokens. A pair index taken for a token index (``x[order]``, ``x[order % T]``;
+   ``order`` or ``order % T`` as the combine's tokens) is named in either half, raised or not.
 2. Inside the engine: the shipped MoE model (``tplab.models.tiny_moe``) at ``data_parallel_size=2`` with
    ``enable_expert_parallel=True`` and the part swapped in (the other half tplab's), every sublayer of a prefill on
    both DP ranks against HF, then greedy tokens against HF's, one round with both DP ranks busy and one with
    DP rank 1 idle (it joins every exchange with no tokens).
 """
 import functools
+import re
 import uuid
 
 import cloudpickle
@@ -27,6 +29,9 @@ from tplab.exercises.in_engine import NEW_TOKENS, checked, first_diff, hf_refere
 from tplab.exercises.watchdog import bound_for, call_bounded
 
 PER_RANK = X // WORLD
+PAIRS = ("order holds pair indices (T_r k of them, T_r tokens with k experts each), not token indices; pair p is "
+         "token p // k: index the tokens with order // k")
+OUT_OF_BOUNDS = re.compile(r"out of bounds for dimension|index out of range in self")   # a tensor indexed too far
 PROMPTS = ["Once upon a time, there was a little", "The cat sat in the sun and", "Tom and his dog went to"]
 SHARES = [[[0, 1], [2]], [[0], []]]        # two rounds: both DP ranks busy, then DP rank 1 idle
 
@@ -110,9 +115,12 @@ def _received_problem(got: list, case: int) -> str | None:
                         f"used as local ones. Rank {j} holds experts {j * PER_RANK} .. {(j + 1) * PER_RANK - 1} at local "
                         f"indices 0 .. {PER_RANK - 1}: local = global - ep_rank * (num_experts // ep_size)")
             if sorted(tokens) != sorted(t for t, _ in want):
+                mod_t = sorted(p % len(ids) for p, e in enumerate(ids.flatten().tolist()) if e // PER_RANK == j)
+                why = (f"x's rows at order % T_r (a pair index taken for a token index): {PAIRS}"
+                       if sorted(tokens) == mod_t else "the rows sent to a rank are those of the pairs whose expert it "
+                       "holds (sort the pairs by expert)")
                 return (f"rank {j} received tokens {sorted(tokens)} of rank {s}, but rank {s}'s tokens routed to experts "
-                        f"{j * PER_RANK} .. {(j + 1) * PER_RANK - 1} are {sorted(t for t, _ in want)}: the rows sent to a "
-                        "rank are those of the pairs whose expert it holds (sort the pairs by expert)")
+                        f"{j * PER_RANK} .. {(j + 1) * PER_RANK - 1} are {sorted(t for t, _ in want)}: {why}")
             if sorted(zip(tokens, (n + j * PER_RANK for n in ids_given))) != want:
                 return (f"rank {j}'s local ids do not say which of its experts each row is for ({ids_given} for tokens "
                         f"{tokens} of rank {s}; their experts: {want})")
@@ -152,15 +160,16 @@ def dispatch_problem(per_rank: list[dict]) -> str | None:
     return None
 
 
-def combine_expected(case: int, rank: int, weighted: bool = True, slot_of=None) -> torch.Tensor:
+def combine_expected(case: int, rank: int, weighted: bool = True, slot_of=None, token_of=None) -> torch.Tensor:
     """Rank ``rank``'s right combine ``(T_r, E)``: each token's k outputs (its row times (expert + 1)) weighted and
-    summed; ``weighted=False``: not weighted; ``slot_of(p)``: pair p weighted by pair ``slot_of(p)``'s weight."""
+    summed; ``weighted=False``: not weighted; ``slot_of(p)``: pair p weighted by pair ``slot_of(p)``'s weight;
+    ``token_of(p)``: pair p's output added into token ``token_of(p)``, not its own."""
     x, ids, weights = inputs(case, rank)
     flat_w = weights.flatten()
     out = torch.zeros(x.shape)
     for p, e in enumerate(ids.flatten().tolist()):
         w = (flat_w[p if slot_of is None else slot_of(p)]) if weighted else 1.0
-        out[p // TOP_K] += w * x[p // TOP_K] * (e + 1)
+        out[p // TOP_K if token_of is None else token_of(p)] += w * x[p // TOP_K] * (e + 1)
     return out
 
 
@@ -197,6 +206,8 @@ def _combined_problem(got, case: int, rank: int) -> str | None:
     if _near(got, combine_expected(case, rank, slot_of=lambda p: order.index(p))):
         return ("each output is weighted by another pair's weight: back[i] is pair order[i], so its weight is "
                 "weights.flatten()[order[i]], not weights.flatten()[i]")
+    if _near(got, combine_expected(case, rank, token_of=lambda p: p % tokens)):
+        return f"output i added into token order[i] % T_r (a pair index taken for a token index): {PAIRS}"
     return (f"tokens combined in the wrong order or from the wrong rows: token 0 got {got[0].tolist()}, expected "
             f"{combine_expected(case, rank)[0].tolist()}. The outputs come back in the order the pairs were sent "
             "(the traffic transposed): output i is pair order[i], token order[i] // k")
@@ -257,5 +268,8 @@ def judge(name: str, impl, timeout: float, on_error) -> ExerciseResult:
         return ExerciseResult(name, False, f"{where}: the ranks did not finish in time ({e}): an exchange that not "
                               "every rank joins waits forever (a rank with no tokens must still join)")
     except Exception as e:  # the learner's code raised, here or in a rank
-        return on_error(name, impl, e, where, group)
+        result = on_error(name, impl, e, where, group)
+        if result.ok is False and OUT_OF_BOUNDS.search(result.message):       # x[order], index_add_(0, order, ..)
+            result.message += f". Hint: a pair index taken for a token index? {PAIRS}"
+        return result
     return _verdict(name, acts, rounds)
