@@ -12,6 +12,7 @@ import torch
 
 from tplab.distributed.parallel_state import all_to_all, ep_all_gather
 from tplab.exercises import check_part, in_engine, nb08
+from tplab.exercises.exchange_probe import PAIRS
 from tplab.exercises.solutions import define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the mistakes below travel to the ranks by value
@@ -19,7 +20,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the mistakes be
 dispatch, combine = define("moe_dispatch")["moe_dispatch"], define("moe_combine")["moe_combine"]
 select_experts = define("select_experts")["select_experts"]
 NAMED_WITHIN_S = 60
-PAIRS = "order holds pair indices (T_r k of them, T_r tokens with k experts each), not token indices"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -36,7 +36,7 @@ MISTAKES = [  # (what the usual mistake computes, what it means)
     (lambda v, r, tp: (r * _ceil(v, tp), min((r + 1) * _ceil(v, tp), v) - 1), "end is exclusive: [start, end) holds "
      "end - start rows, so end = min((r + 1) * per_rank, vocab_size), not one less"),
     (lambda v, r, tp: (r * _ceil(v, tp), min((r + 1) * _ceil(v, tp), v)), "a rank that starts past the vocabulary "
-     "(vocab_size 10 at tp 8: ranks 5 to 7) holds padding only, no real row: its end is its start, never before it"),
+     "holds padding only, no real row: its end is its start, never before it"),
 ]
 
 

@@ -76,7 +76,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, apply_fn=apply_rotary):
         super().__init__()
         self.apply_fn = apply_fn
-        device = str(torch.empty(0).device)   # the device being built on (tplab.engine.llm_engine.build_model builds under torch.device)
+        device = str(torch.empty(0).device)   # the device being built on (llm_engine.build_model)
         cos, sin = _cos_sin_table(head_dim, max_position, float(base), device)
         self.register_buffer("cos_cached", cos, persistent=False)
         self.register_buffer("sin_cached", sin, persistent=False)

@@ -123,20 +123,18 @@ class Qwen2DecoderLayer(nn.Module):
 
     def forward(self, x, kv_cache, meta, sp=None):
         """The residual stream after this layer: ``x`` plus attention, plus the MLP, each of its normed input."""
-        if sp is not None:
-            hidden, residual = self.forward_unsummed(x, kv_cache, meta, sp)
-            return residual + hidden
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        hidden, residual = self.forward_unsummed(x, kv_cache, meta, sp)
+        return residual + hidden
 
     def forward_unsummed(self, x, kv_cache, meta, sp=None):
         """``(hidden, residual)``: the MLP's output and the residual stream it is added to, whose sum
         ``forward`` returns. A pipeline stage's last layer sends this pair to the next stage (vLLM's)."""
-        if sp is not None:      # sequence parallel (a Parts.sp_norm_region): x is this rank's (T_pad / t, E) tokens
-            x = sp.add(self.self_attn(sp.norm_gather(x, self.input_layernorm), kv_cache, meta), x)
-            return sp.add(self.mlp(sp.norm_gather(x, self.post_attention_layernorm))), x
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
-        return self.mlp(self.post_attention_layernorm(x)), x
+        if sp is None:
+            x = x + self.self_attn(self.input_layernorm(x), kv_cache, meta)
+            return self.mlp(self.post_attention_layernorm(x)), x
+        # sequence parallel (a Parts.sp_norm_region): x is this rank's (T_pad / t, E) tokens
+        x = sp.add(self.self_attn(sp.norm_gather(x, self.input_layernorm), kv_cache, meta), x)
+        return sp.add(self.mlp(sp.norm_gather(x, self.post_attention_layernorm))), x
 
 
 class Qwen2Model(nn.Module):
