@@ -43,7 +43,7 @@ from common import (QUICK_SHAPE, QWEN25_05B, Settings, interleaved, layer_shapes
                     set_threads)
 from tplab.kernels.gemm import Gemm  # noqa: E402
 from tplab.kernels.paged_decode import paged_decode  # noqa: E402
-from tplab.layers.decode_blocks import decode_blocks  # noqa: E402
+from tplab.kernels.decode_blocks import decode_blocks  # noqa: E402
 
 
 def kernels(shape: dict, dtype: torch.dtype, rows: int) -> tuple[dict, int]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tplab.kernels.attend import sdpa_attend
+from tplab.kernels.decode_blocks import decode_blocks
 from tplab.kernels.paged_decode import dense_decode, paged_decode
 from tplab.layers.attention import Attention
 from tplab.layers.metadata import build_metadata, causal_visible
@@ -41,7 +42,7 @@ def test_metadata_of_a_mixed_step_reads_exactly_each_sequences_slots():
     assert meta.kv_slots.numel() == 20                              # no padding to the longest sequence
     assert [tuple(m.shape) for m in meta.visible] == [(1, 10), (3, 3), (2, 7)]
     assert meta.query_lens() == [1, 3, 2]
-    dec = meta.decode                                               # A alone decodes: its 3 blocks, not padded
+    dec = decode_blocks([1, 3, 2], [10, 3, 7], [[3, 1, 4], [0], [2, 5]], 4, "cpu")   # A alone decodes: its 3 blocks
     assert dec.seqs == [0] and dec.blocks.tolist() == [3, 1, 4] and dec.num_blocks.tolist() == [3]
     assert dec.past_end.tolist() == [[False] * 4, [False] * 4, [False, False, True, True]]
 
@@ -98,10 +99,11 @@ def test_paged_decode_equals_one_sequence_at_a_time(decode, dtype, lens, monkeyp
     tables = [list(range(i * 8 + 3, i * 8 + 3 + -(-n // block_size)))[::-1] for i, n in enumerate(lens)]
     cache = tuple(torch.randn(40, block_size, H_KV, D, dtype=dtype) for _ in range(2))
     meta = build_metadata([1] * len(lens), lens, tables, block_size, "cpu")
+    dec = decode_blocks([1] * len(lens), lens, tables, block_size, "cpu")   # as the engine makes it, before the forward
     q = torch.randn(len(lens), H, D, dtype=dtype)
     with monkeypatch.context() as m:
         m.setattr(torch, "tensor", lambda *a, **k: pytest.fail("a tensor made from host data in the forward"))
-        out = decode(q, *cache, meta.decode, D ** -0.5)            # (B, H, D)
+        out = decode(q, *cache, dec, D ** -0.5)                    # (B, H, D)
     k_flat, v_flat = (c.flatten(0, 1).float() for c in cache)
     for b in range(len(lens)):
         slots = meta.seq_kv_slots(b)

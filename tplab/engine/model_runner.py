@@ -15,6 +15,7 @@ import torch
 
 from tplab.engine.sampling import sample
 from tplab.engine.sequence import Sequence
+from tplab.kernels.decode_blocks import decode_blocks
 from tplab.layers.metadata import MetadataBuilder
 
 
@@ -97,10 +98,14 @@ class ModelRunner:
 
     def prepare(self, seqs: list[Sequence]):
         """A step's token ids ``(T,)`` and its attention metadata."""
-        meta = self.metadata.build([s.num_new_tokens for s in seqs],
-                                   [s.num_cached_tokens + s.num_new_tokens for s in seqs],
-                                   [s.block_table for s in seqs], [p for s in seqs for p in self.positions_of(s)],
+        query_lens = [s.num_new_tokens for s in seqs]
+        context_lens = [s.num_cached_tokens + s.num_new_tokens for s in seqs]
+        tables = [s.block_table for s in seqs]
+        meta = self.metadata.build(query_lens, context_lens, tables, [p for s in seqs for p in self.positions_of(s)],
                                    [s.seq_id for s in seqs])
+        # the decode sequences' blocks as tensors, for an attend that takes a step's decodes together (tplab's);
+        # made before the forward, since on a GPU a tensor made from host data inside it makes the host wait
+        meta.decode = decode_blocks(query_lens, context_lens, tables, self.metadata.block_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.new_token_ids()], device=self.device)   # (T,)
         return input_ids, meta
 

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from tplab.layers.decode_blocks import PaddedDecode
+from tplab.kernels.decode_blocks import PaddedDecode
 from tplab.layers.metadata import AttentionMetadata, check_positions
 
 

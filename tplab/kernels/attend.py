@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tplab.kernels.paged_decode import dense_decode, one_query_attention, padded_decode, paged_decode
 from tplab.layers.attention import AttendsPaddedDecodes
-from tplab.layers.decode_blocks import DecodeBlocks, PaddedDecode
+from tplab.kernels.decode_blocks import DecodeBlocks, PaddedDecode
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)   # absent in old torch
 

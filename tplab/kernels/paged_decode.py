@@ -14,7 +14,7 @@ query heads per KV head, D head_dim.
 import torch
 import torch.nn.functional as F
 
-from tplab.layers.decode_blocks import DecodeBlocks, PaddedDecode
+from tplab.kernels.decode_blocks import DecodeBlocks, PaddedDecode
 
 
 def score_mask(dec: DecodeBlocks, num_heads: int, num_kv_heads: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """``(T, 2 * I_local) -> (T, I_local)``: ``silu(gate) * up`` on this rank's half of each."""
+    """``(T, 2 * I_local) -> (T, I_local)``: ``silu(gate) * up`` on this rank's shard of each (``I / tp_size`` columns)."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

@@ -30,7 +30,8 @@ def plain_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: tor
 
 class AttendsDecodesTogether:
     """An ``attend`` (``Parts.attend``) that takes a whole step, so that it can attend every decode token of
-    it at once over the blocks the decode sequences hold (``meta.decode``): ``Attention`` hands it the step
+    it at once over the blocks the decode sequences hold (``meta.decode``, which the engine fills for it:
+    ``tplab.kernels.decode_blocks``): ``Attention`` hands it the step
     (``attend_step``) instead of calling it once per sequence, and it hands the sequences it leaves back to
     ``Attention.attend_each``. A plain function is called once per sequence, every sequence."""
 
@@ -42,7 +43,8 @@ class AttendsDecodesTogether:
 
 class AttendsPaddedDecodes(AttendsDecodesTogether):
     """An ``attend`` whose ``attend_step`` also takes a decode step at fixed shapes: ``meta.decode`` a
-    ``PaddedDecode``, every row one decode query (the step a CUDA graph replays, ``tplab.engine.static_decode``)."""
+    ``PaddedDecode`` (``tplab.kernels.decode_blocks``), every row one decode query (the step a CUDA graph
+    replays, ``tplab.engine.static_decode``)."""
 
 
 class Attention(nn.Module):

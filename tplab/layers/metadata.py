@@ -1,10 +1,11 @@
 """A step's ``AttentionMetadata``: where each new token's K/V go in the paged cache, and which keys each
 sequence reads. One builder makes it for the engine (``ModelRunner``, once per step), for ``probe`` and
-for the notebooks (``build_metadata``).
+for the notebooks (``build_metadata``); a decode step at fixed shapes makes its own from fixed buffers
+(``tplab.engine.static_decode``).
 
 The engine's builder keeps each sequence's cache slots between steps, extended when the block manager
-gives it a new block, so a decode step costs a few list operations per sequence rather than rebuilding
-every sequence's slots from its block table; ``build_metadata`` builds them from the tables each time.
+gives it a new block, so a decode step appends to a sequence's slots rather than rebuilding them from its
+block table; ``build_metadata`` builds them from the tables each time.
 
 Shape legend: T new tokens in the step, B sequences, Lq new tokens of one sequence, Lk its keys
 (cached + new), N the keys of all B sequences.
@@ -12,8 +13,6 @@ Shape legend: T new tokens in the step, B sequences, Lq new tokens of one sequen
 from dataclasses import dataclass, field
 
 import torch
-
-from tplab.layers.decode_blocks import DecodeBlocks, decode_blocks
 
 
 @dataclass
@@ -23,7 +22,9 @@ class AttentionMetadata:
 
     Sequence b owns new tokens ``query_start_loc[b]:query_start_loc[b + 1]`` of the T packed
     tokens, and its keys are ``kv_slots[kv_start_loc[b]:kv_start_loc[b + 1]]``: the cache slots of
-    its positions ``0 .. seq_lens[b] - 1``, in order (its cached tokens, then this step's).
+    its positions ``0 .. seq_lens[b] - 1``, in order (its cached tokens, then this step's). A decode step at
+    fixed shapes (``tplab.engine.static_decode``) sets only ``positions``, ``slot_mapping``,
+    ``query_start_loc`` and ``decode``; its per-sequence fields are None.
     """
     positions: torch.Tensor       # (T,) long: position of each new token in its sequence (RoPE's angle)
     slot_mapping: torch.Tensor    # (T,) long: cache slot each new token's K/V is written to
@@ -32,7 +33,7 @@ class AttentionMetadata:
     kv_slots: torch.Tensor        # (N,) long: every sequence's key slots, packed; N = sum(seq_lens)
     kv_start_loc: list[int]       # B + 1 ints: where each sequence's keys start in kv_slots; the last is N
     visible: list[torch.Tensor]   # B bool masks (Lq, Lk): causal_visible(Lq, Lk), True = may attend
-    decode: DecodeBlocks | None = None  # the blocks of the sequences with one new token (layers.decode_blocks)
+    decode: object = None         # for a kernel: the blocks the decode sequences hold (tplab.kernels.decode_blocks)
     block_tables: list[list[int]] = field(default_factory=list)  # B lists: each sequence's blocks, in order
     per_step: dict = field(default_factory=dict, repr=False)  # what a part makes once a step for every layer
 
@@ -79,6 +80,9 @@ def _check_lengths(query_lens, context_lens, block_tables, block_size) -> None:
 def check_positions(positions: list[int], query_lens, context_lens) -> None:
     """A new token's position must equal the number of tokens before it, or RoPE and the cache slots
     would disagree silently."""
+    if len(positions) != sum(query_lens):
+        raise ValueError(f"{len(positions)} positions for a step of {sum(query_lens)} new tokens: give one "
+                         "position per new token")
     t = 0
     for b, (q, c) in enumerate(zip(query_lens, context_lens)):
         for expected in range(c - q, c):
@@ -145,9 +149,7 @@ class MetadataBuilder:
         return AttentionMetadata(
             positions=torch.tensor(expected, dtype=torch.long, device=self.device),
             slot_mapping=torch.cat(new_parts), query_start_loc=q_start, seq_lens=list(context_lens),
-            kv_slots=torch.cat(kv_parts), kv_start_loc=kv_start, visible=visible,
-            decode=decode_blocks(query_lens, context_lens, block_tables, self.block_size, self.device),
-            block_tables=block_tables)
+            kv_slots=torch.cat(kv_parts), kv_start_loc=kv_start, visible=visible, block_tables=block_tables)
 
     def forget(self, seq_id: int) -> None:
         self._slots.pop(seq_id, None)

@@ -153,7 +153,7 @@ class FusedMoE(nn.Module, UsesProducts):
         if self.dp_size > 1:                                                # tokens travel to the experts
             out = self.forward_all_to_all(x, weights, ids)
         else:
-            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)   # summed in fp32, as HF sums the k
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)   # fp32 (HF sums in x's dtype)
             for local, rows, slots in self.rows_by_expert(ids):
                 y = self.expert_mlp(local, x.index_select(0, rows))         # (n_e, E)
                 out.index_add_(0, rows, (y * weights[rows, slots].unsqueeze(-1)).float())   # combine

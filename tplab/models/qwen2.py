@@ -86,11 +86,12 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    """``intermediate_size`` defaults to the config's (an MoE model's shared expert has its own);
-    ``partial_sums``: down_proj returns this rank's partial sum, for the caller to reduce (as under SP)."""
+    """``partial_sums``: down_proj returns this rank's partial sum, for the caller to reduce (under SP the
+    layer reduce-scatters it); ``intermediate_size`` defaults to the config's (an MoE model's shared expert
+    has its own)."""
 
-    def __init__(self, config, parts, tp_rank: int, tp_size: int, sequence_parallel: bool = False,
-                 intermediate_size: int | None = None, partial_sums: bool = False):
+    def __init__(self, config, parts, tp_rank: int, tp_size: int, partial_sums: bool = False,
+                 intermediate_size: int | None = None):
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={config.hidden_act!r}: tplab implements Qwen2's 'silu' only")
@@ -98,7 +99,7 @@ class Qwen2MLP(nn.Module):
         self.gate_up_proj = parts.gate_up_linear(config.hidden_size, [size, size], bias=False,
                                                  tp_rank=tp_rank, tp_size=tp_size)
         self.down_proj = parts.row_linear(size, config.hidden_size, bias=False, tp_rank=tp_rank, tp_size=tp_size,
-                                          **row_settings(sequence_parallel or partial_sums))
+                                          **row_settings(partial_sums))
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
@@ -119,7 +120,7 @@ class Qwen2DecoderLayer(nn.Module):
         self.mlp = self.make_mlp(config, parts, tp_rank, tp_size, sequence_parallel, layer_idx, enable_expert_parallel)
 
     def make_mlp(self, config, parts, tp_rank, tp_size, sequence_parallel, layer_idx, enable_expert_parallel):
-        return Qwen2MLP(config, parts, tp_rank, tp_size, sequence_parallel)
+        return Qwen2MLP(config, parts, tp_rank, tp_size, partial_sums=sequence_parallel)
 
     def forward(self, x, kv_cache, meta, sp=None):
         """The residual stream after this layer: ``x`` plus attention, plus the MLP, each of its normed input."""

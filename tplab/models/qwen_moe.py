@@ -57,8 +57,8 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
         shared_size = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = self.shared_expert_gate = None
         if shared_size:
-            self.shared_expert = Qwen2MLP(config, parts, tp_rank, tp_size, intermediate_size=shared_size,
-                                          partial_sums=self.shared_partial)
+            self.shared_expert = Qwen2MLP(config, parts, tp_rank, tp_size, partial_sums=self.shared_partial,
+                                          intermediate_size=shared_size)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
 class Qwen2MoeDecoderLayer(Qwen2DecoderLayer):
     def make_mlp(self, config, parts, tp_rank, tp_size, sequence_parallel, layer_idx, enable_expert_parallel):
         if not is_moe_layer(config, layer_idx):                    # a dense layer (mlp_only_layers, sparse step)
-            return Qwen2MLP(config, parts, tp_rank, tp_size, sequence_parallel)
+            return Qwen2MLP(config, parts, tp_rank, tp_size, partial_sums=sequence_parallel)
         return Qwen2MoeSparseMoeBlock(config, parts, tp_rank, tp_size, sequence_parallel, enable_expert_parallel)
 
 
