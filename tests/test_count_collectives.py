@@ -17,14 +17,18 @@ def _record_some():
             gathered = all_gather(torch.ones(2, 4), n, dim=-1)
         all_reduce(torch.ones(3), 1)                                 # tp_size 1: no collective at all
     all_reduce(torch.ones(1, 8), n)                                  # after: not recorded
+    with count_collectives() as late:                                # an inner block opened while the outer is
+        with count_collectives():                                    # still empty (equal lists): the outer
+            pass                                                     # one keeps recording after it
+        all_reduce(torch.ones(1, 8), n)
     return ([(r.op, r.shape, r.path, r.nbytes) for r in outer], [(r.op, r.shape) for r in inner],
-            all(r.seconds > 0 for r in outer), tuple(gathered.shape))
+            all(r.seconds > 0 for r in outer), tuple(gathered.shape), len(late))
 
 
 def test_count_collectives_records_op_shape_path_and_bytes_inside_the_block_only():
-    for outer, inner, timed, gathered in launch(_record_some, 2, timeout=120):
+    for outer, inner, timed, gathered, late in launch(_record_some, 2, timeout=120):
         assert outer == [("all_reduce", (1, 8), "shm", 32), ("all_gather", (2, 4), "shm", 32)]
-        assert inner == [("all_gather", (2, 4))] and timed and gathered == (2, 8)
+        assert inner == [("all_gather", (2, 4))] and timed and gathered == (2, 8) and late == 1
 
 
 def _decode_step_collectives(model):

@@ -200,3 +200,30 @@ def test_asking_a_rank_that_died_for_its_stack_does_not_wait_on_its_closed_pipe(
     start = time.monotonic()
     assert stacks.where({0: 2 ** 22 + 12345}, {0: read_end}) == ""       # no such pid: nothing is signalled
     assert time.monotonic() - start < 2
+
+
+def _kv_cache_with_rank_1_short_of_memory(model):
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+    from tplab.engine import kv_cache
+    from tplab.engine.config import engine_config
+
+    cfg = engine_config(model, tensor_parallel_size=2, num_kv_blocks=64)
+    short = SimpleNamespace(available=1000) if dist.get_rank() == 1 else psutil.virtual_memory()
+    with mock.patch.object(kv_cache.psutil, "virtual_memory", return_value=short):
+        try:
+            return kv_cache.num_kv_blocks(cfg, kv_cache.kv_cache_spec(cfg), torch.device("cpu"))
+        except ValueError as e:
+            return str(e)
+
+
+def test_a_kv_cache_one_rank_cannot_hold_is_refused_on_every_rank(checkpoint, no_new_children):
+    """One rank short of memory refuses ``num_kv_blocks``; the others must refuse too, or under ``torchrun`` they
+    would wait for it in their first collective until the process group's timeout."""
+    said = launch(_kv_cache_with_rank_1_short_of_memory, 2, args=(checkpoint("gqa"),), timeout=120)
+    assert all(isinstance(s, str) and "num_kv_blocks=64 makes a KV cache" in s for s in said), said
+    assert "more than the 1,000 free: ask for less" in said[1]
+    assert "more than the 1,000 free of a rank (this one has " in said[0]

@@ -33,7 +33,8 @@ class CollectiveRecord:
     shape: tuple[int, ...]       # the tensor this rank put in, e.g. (1, hidden) for a decode step's all-reduce
     dtype: torch.dtype
     path: str                    # "shm" (shared memory) or the process group's backend, e.g. "gloo"
-    seconds: float               # wall time on this rank, waiting for the slowest rank included
+    seconds: float               # wall time on this rank: on a CPU (gloo, shm) the wait for the slowest rank
+                                 # included; under NCCL only the time to queue it (the call returns at once)
     to_others: int | None = None  # all_to_all: the bytes of its rows for other ranks (those for itself stay)
 
     @property
@@ -45,14 +46,16 @@ class CollectiveRecord:
 @contextlib.contextmanager
 def count_collectives():
     """Record every ``all_reduce``/``all_gather``/``reduce_scatter``/``all_to_all`` over more than one rank, and every
-    ``send``/``recv`` between pipeline stages, that this process runs inside the ``with``; yields the list of ``CollectiveRecord`` it fills, in call order. Blocks may nest.
+    ``send``/``recv`` between pipeline stages, that this process runs inside the ``with``; yields the list of
+    ``CollectiveRecord`` it fills, in call order. Blocks may nest. Only what Python calls is seen: a decode step
+    replayed as a CUDA graph runs its collectives without Python (``LLM(..., enforce_eager=True)`` counts them).
     Outside any block the collectives pay one check of an empty list."""
     records: list[CollectiveRecord] = []
     _recorders.append(records)
     try:
         yield records
     finally:
-        _recorders.remove(records)
+        del _recorders[next(i for i, r in enumerate(_recorders) if r is records)]   # this block's, not an equal one
 
 
 def _recorded(op: str, x: torch.Tensor, comm, run, *args, to_others: int | None = None):

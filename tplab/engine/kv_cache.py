@@ -59,12 +59,17 @@ def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) ->
 
 def _check_free(nbytes: int, device: torch.device, setting: str) -> None:
     """Refuse a KV cache the device's free memory cannot hold: zero-filling it would end in the out-of-memory
-    killer (a lost notebook kernel) or CUDA's error, not in a message."""
+    killer (a lost notebook kernel) or CUDA's error, not in a message. Every rank refuses if one must: a rank
+    that went on alone would wait for the others in its first collective."""
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-    if nbytes > free:
-        raise ValueError(f"{setting} makes a KV cache of {nbytes:,} bytes on each rank, more than the {free:,} "
-                         "free: ask for less, or leave num_kv_blocks and kv_cache_memory unset to size the cache "
-                         "from the free memory")
+    least_free = torch.tensor(free, device=device)                   # NCCL takes CUDA tensors only
+    if dist.is_initialized():
+        dist.all_reduce(least_free, op=dist.ReduceOp.MIN)
+    if nbytes > int(least_free):
+        where = "" if int(least_free) == free else f" of a rank (this one has {free:,})"
+        raise ValueError(f"{setting} makes a KV cache of {nbytes:,} bytes on each rank, more than the "
+                         f"{int(least_free):,} free{where}: ask for less, or leave num_kv_blocks and kv_cache_memory "
+                         "unset to size the cache from the free memory")
 
 
 def static_max_blocks(cfg: EngineConfig) -> int:

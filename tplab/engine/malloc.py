@@ -2,9 +2,10 @@
 every activation.
 
 Each step allocates and frees the same activations again and again. By default glibc serves a
-block over 128 KiB with a fresh ``mmap`` and returns it with ``munmap`` when freed, and it hands
-the free top of the heap back to the kernel once it exceeds 128 KiB: so the next step's tensors
-land on new pages, and the kernel zero-fills each 4 KiB page on first touch: a 16-sequence decode
+block larger than any freed so far (128 KiB at first, up to 32 MiB) with a fresh ``mmap`` and returns it
+with ``munmap`` when freed, and it hands the free top of the heap back to the kernel beyond twice that
+threshold. A decode step's KV gathers grow with the context, so they keep outgrowing the threshold: the next
+step's tensors land on new pages, and the kernel zero-fills each 4 KiB page on first touch: a 16-sequence decode
 step's KV gathers ran several times slower than copying the same bytes from memory already mapped
 (docs/performance-journal.md). vLLM's CPU backend has the same problem and recommends preloading
 tcmalloc; raising glibc's two thresholds (``mallopt``) does the same job without another library.

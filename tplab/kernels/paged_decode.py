@@ -47,7 +47,8 @@ def padded_bias(dec: DecodeBlocks | PaddedDecode, dtype: torch.dtype) -> torch.T
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec: DecodeBlocks,
                  scale: float) -> torch.Tensor:
-    """q ``(Bd, H, D)``, one query per decode sequence; caches ``(num_blocks, bs, H_kv, D)`` -> ``(Bd, H, D)``."""
+    """q ``(Bd, H, D)``, one query per decode sequence; caches ``(num_blocks, bs, H_kv, D)`` -> ``(Bd, H, D)``.
+    The CPU's route (``SdpaAttend.attend_decodes`` sends a GPU's decodes to ``dense_decode``)."""
     bd, h, d = q.shape
     dtype = torch.float32                                          # scores and softmax in fp32, also for bf16
     if bd == 1:
@@ -59,15 +60,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     s = torch.baddbmm(qb.new_empty(()), qb, kb.transpose(1, 2), beta=0, alpha=scale)  # (nb, H, bs*H_kv)
     masked = score_mask(dec, h, k_cache.shape[2])
     # reductions over each sequence's blocks (they lie one sequence after another). unsafe: the lengths, built
-    # by decode_blocks and each >= 1, go unchecked; the check costs ops and, on a GPU, two host syncs
+    # by decode_blocks and each >= 1, go unchecked (the check costs ops)
     per_seq = dict(lengths=dec.num_blocks, unsafe=True)
     m = torch.segment_reduce(s.masked_fill_(masked, float("-inf")).amax(-1), "max", **per_seq)     # (Bd, H)
     # exp of a score more than 80 below its row's max is under 2e-35, too small to change an fp32 sum
     # that holds the max's weight of 1; clamped there, exp never makes denormals (much slower)
     p = (s - m.index_select(0, dec.block_seq).unsqueeze(-1)).clamp_min_(-80.0).exp_().masked_fill_(masked, 0.0)
     den = torch.segment_reduce(p.sum(-1), "sum", **per_seq)                                      # (Bd, H)
-    # index_add_: segment_reduce sums (nb, H, D) several times slower on CPU; on a GPU index_add_ adds with atomics,
-    # in no fixed order, so two runs may differ in the last bit
+    # index_add_: segment_reduce sums (nb, H, D) several times slower
     o = p.new_zeros(bd, h, d).index_add_(0, dec.block_seq, torch.bmm(p, vb))                     # (Bd, H, D)
     return (o / den.unsqueeze(-1)).to(q.dtype)
 

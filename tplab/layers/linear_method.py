@@ -14,7 +14,8 @@ class LinearMethod:
     """``apply(layer, x, bias) = x @ layer.weight.T + bias``, with nothing done to the weight after loading."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> bool:
-        """Called once after the checkpoint is loaded; whether this method will take over the weight."""
+        """Called once after the checkpoint is loaded; whether this method will multiply by a copy of the weight
+        of its own (a packed one: ``tplab.kernels.gemm``), rather than by ``layer.weight`` as loaded."""
         return False
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,7 +45,7 @@ def hand_out_linear_methods(model: nn.Module, gemm) -> int:
     """After loading: give every ``UsesLinearMethod`` and ``UsesProducts`` layer of ``model`` its own
     ``gemm.method_for(name)`` (``gemm``: ``Parts.gemm``, chosen for this machine; ``name``: its module name,
     vLLM's ``prefix``, e.g. ``model.layers.0.mlp.down_proj``), and let a linear layer's process its weight;
-    how many of them will take their layer's weight over."""
+    how many of them will multiply by a copy of their own (``process_weights_after_loading``)."""
     taken = 0
     for name, module in model.named_modules():
         if isinstance(module, UsesLinearMethod):
