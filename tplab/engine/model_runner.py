@@ -116,8 +116,10 @@ class ModelRunner:
         out: list[tuple[int, float] | None] = [None] * len(seqs)
         if not done:
             return out
-        last = torch.tensor([last_rows[b] for b in done], device=self.device)                        # (S,)
-        logits = self.model.compute_logits(hidden.index_select(0, last))                              # (S, V)
+        rows = [last_rows[b] for b in done]
+        if rows != list(range(hidden.shape[0])):      # else every row is sampled (a decode step): no index to send
+            hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))                    # (S, E)
+        logits = self.model.compute_logits(hidden)                                                     # (S, V)
         tokens, logprobs = sample(logits, [seqs[b].params for b in done], [seqs[b].generator for b in done])
         for b, token, logprob in zip(done, tokens.tolist(), logprobs.tolist()):
             out[b] = (token, logprob)

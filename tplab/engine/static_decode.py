@@ -7,7 +7,8 @@ replays must have fixed shapes and read its inputs from tensors that never move:
 - the batch is padded to a bucket (1, 2, 4, 8, 16, 32, ... sequences); a padding row decodes token 0 at
   position 0 into a scratch block of the KV cache that no sequence holds, and its output is dropped;
 - the inputs live in buffers allocated once: token ids, positions, ``slot_mapping``, the block tables
-  padded to a width bucket, the context lengths. Every step copies its values into them, then replays;
+  padded to a width bucket, the context lengths. Every step copies its values into them, then replays
+  (from pinned host memory: each copy is queued, and the host does not wait for it);
 - attention reads the padded block tables under a mask of each row's length (``PaddedDecode``).
 On a CPU the same step runs eagerly, so the code a graph captures is held to HF's tokens on every machine.
 """
@@ -48,10 +49,11 @@ class StaticDecode:
         self.positions_of, self.scratch_block, self.device = positions_of, scratch_block, torch.device(device)
         self.batch_sizes, self.widths = buckets(max_num_seqs), buckets(max_blocks)
         n, w = self.batch_sizes[-1], self.widths[-1]
-        long = dict(dtype=torch.long, device=self.device)
-        self.input_ids, self.positions = torch.zeros(n, **long), torch.zeros(n, **long)          # (n,)
-        self.slot_mapping, self.context_lens = torch.zeros(n, **long), torch.ones(n, **long)      # (n,)
-        self.block_tables = torch.zeros(n, w, **long)                                           # (n, W)
+        sizes = dict(input_ids=n, positions=n, slot_mapping=n, context_lens=n, block_tables=n * w)   # (n,), (n W,)
+        self.buffers = {name: torch.zeros(size, dtype=torch.long, device=self.device) for name, size in sizes.items()}
+        # where a step's values wait on the host: pinned on a GPU, so that their copies need not wait for it
+        pinned = self.device.type == "cuda"
+        self.staged = {name: torch.zeros(size, dtype=torch.long, pin_memory=pinned) for name, size in sizes.items()}
         self.use_graphs = graphs
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None                   # one memory pool shared by every graph
@@ -75,7 +77,7 @@ class StaticDecode:
                 self.use_graphs = False
                 print(f"tplab: decode steps run eagerly: capturing a CUDA graph failed ({e})"[:400], file=sys.stderr)
         if not self.use_graphs:
-            return self.model(self.input_ids[:n], self.kv_caches, self.metadata(n, w))[:len(seqs)]
+            return self.model(self.views(n, w)["input_ids"], self.kv_caches, self.metadata(n, w))[:len(seqs)]
         graph, hidden = self.graphs[(n, w)]
         graph.replay()
         self.num_replays += 1
@@ -83,14 +85,23 @@ class StaticDecode:
 
     def copy_inputs(self, seqs, n: int, w: int) -> None:
         """Write this step's values into the buffers the step (or its graph) reads, at their fixed addresses."""
-        views = self.views(n, w)
-        for name, values in self.step_inputs(seqs, n, w).items():
-            views[name].copy_(values)
+        self.write(self.step_inputs(seqs, n, w), n, w)
 
-    def views(self, n: int, w: int) -> dict[str, torch.Tensor]:
-        """Bucket (n, w)'s views of the buffers: the same tensors every step of the bucket."""
-        return dict(input_ids=self.input_ids[:n], positions=self.positions[:n], slot_mapping=self.slot_mapping[:n],
-                    context_lens=self.context_lens[:n], block_tables=self.block_tables[:n, :w])
+    def write(self, values: dict[str, torch.Tensor], n: int, w: int) -> None:
+        """``values`` (host tensors, by buffer name) into bucket (n, w)'s views of the buffers, through the
+        staged host buffers. The host overwrites a staged buffer only at the next step, after this step's
+        sampled tokens came back, so its copy has long been done."""
+        views, staged = self.views(n, w), self.views(n, w, self.staged)
+        for name, value in values.items():
+            staged[name].copy_(value)
+            views[name].copy_(staged[name], non_blocking=True)
+
+    def views(self, n: int, w: int, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Bucket (n, w)'s views of the buffers (default: the device's), each contiguous: the same tensors every
+        step of the bucket."""
+        b = self.buffers if buffers is None else buffers
+        return dict(input_ids=b["input_ids"][:n], positions=b["positions"][:n], slot_mapping=b["slot_mapping"][:n],
+                    context_lens=b["context_lens"][:n], block_tables=b["block_tables"][:n * w].view(n, w))
 
     def step_inputs(self, seqs, n: int, w: int) -> dict[str, torch.Tensor]:
         """This step's values of each buffer, on the host: rows ``len(seqs)..n - 1`` are padding, a decode
@@ -122,7 +133,7 @@ class StaticDecode:
         kernel choice before recording; it computes this step's K/V too, the same values the replay writes.
         Each run gets metadata of its own: what the first layer makes for the others (the lengths' mask) is
         then made inside the graph, and each replay makes it again from the buffers, never the warm-up's."""
-        ids = self.input_ids[:n]
+        ids = self.views(n, w)["input_ids"]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
