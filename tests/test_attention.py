@@ -50,6 +50,10 @@ def test_metadata_of_a_mixed_step_reads_exactly_each_sequences_slots():
 def test_metadata_refuses_positions_that_disagree_with_the_cache():
     with pytest.raises(ValueError, match=r"token 0 of the step \(sequence 0\) has position 6 but 5 tokens"):
         build_metadata([1], [6], [[0, 1]], 4, "cpu", positions=[6])
+    with pytest.raises(ValueError, match="2 positions for a step of 1 new tokens"):     # its right one, and one more
+        build_metadata([1], [6], [[0, 1]], 4, "cpu", positions=[5, 6])
+    with pytest.raises(ValueError, match="1 positions for a step of 2 new tokens"):     # the first of two only
+        build_metadata([2], [6], [[0, 1]], 4, "cpu", positions=[4])
     with pytest.raises(ValueError, match="1 <= query_len <= context_len"):
         build_metadata([3], [2], [[0]], 4, "cpu")
     with pytest.raises(ValueError, match="sequence 0 has 9 tokens but 2 blocks of 4 slots"):

@@ -4,9 +4,13 @@ bf16 keeps 8 significant bits, so every matmul input is rounded by up to 2^-9 re
 correct bf16 implementations differ wherever they round or accumulate in another order (oneDNN's
 packed bf16 kernel vs HF's path; at TP 2, each rank's partial sum is rounded to bf16 before the
 all-reduce). Exactness is fp32's job (test_model_parity.py). What bf16 must keep: the same greedy
-tokens on at least ``tolerance.TOKEN_AGREEMENT`` (90%) of the positions, and logprobs within the bf16
-bound of ``tplab.tolerance`` (2 x 2^-7 x the logits' size) wherever the two still share the context.
-(Measured here: every token equal, logprob differences at most 0.03 at TP 1 and 0.06 at TP 2.)
+tokens on at least ``tolerance.TOKEN_AGREEMENT`` (90%) of the positions, logprobs within the bf16
+bound of ``tplab.tolerance`` (2 x 2^-7 x the logits' size) wherever the two still share the context, and
+each story's first other token, if any, only at a near-tie: where HF's own pick led its runner-up by no
+more than that bound (docs/numerics.md).
+(Measured on a Xeon with AMX: bound 0.34; at TP 1 every token equal, logprob differences at most 0.04; at
+TP 2 one story of eight parts at its token 12, where HF's pick led by 0.03, the rest equal, differences at
+most 0.05.)
 """
 import pytest
 import torch
@@ -40,13 +44,18 @@ def hf_bf16_reference():
 
 def assert_agrees_with_hf_bf16(outs, reference) -> None:
     """Greedy tokens equal HF bf16's on ``TOKEN_AGREEMENT`` of the positions, logprobs within the bf16 bound
-    wherever the two still share the context."""
-    prompts, ref, bound, _ = reference
+    wherever the two still share the context, and a story parts from HF's only at a near-tie."""
+    prompts, ref, bound, gaps = reference
     agree, worst = 0, 0.0
-    for out, (tokens, logprobs) in zip(outs, ref):
+    assert len(outs) == len(ref) == len(STORIES)
+    for story, out, (tokens, logprobs), gap in zip(STORIES, outs, ref, gaps):
+        assert len(out.token_ids) == len(out.logprobs) == NEW
         agree += sum(a == b for a, b in zip(out.token_ids, tokens))
         same_context = next((i for i, (a, b) in enumerate(zip(out.token_ids, tokens)) if a != b), NEW)
         worst = max([worst] + [abs(a - b) for a, b in zip(out.logprobs[:same_context], logprobs[:same_context])])
+        assert same_context == NEW or gap[same_context] <= bound, (
+            f"{story!r}: token {same_context} differs from HF bf16's where HF's pick led by {gap[same_context]:.3f} "
+            f"(more than the bf16 bound {bound:.3f}): not a near-tie")
     rate = agree / (NEW * len(prompts))
     need = tolerance.TOKEN_AGREEMENT[torch.bfloat16]
     assert rate >= need, f"greedy tokens agree with HF bf16 on {rate:.0%} of positions, under {need:.0%}"

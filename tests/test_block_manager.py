@@ -62,11 +62,18 @@ def test_shared_prefix_blocks_are_reference_counted():
 
 
 def test_prefix_hit_needs_the_whole_chain_not_just_one_block():
+    """A block's key chains on the block before it: the same four tokens at positions 0-3 and 4-7 are two
+    different blocks (their K/V differ by RoPE), and a prompt starting with them shares only the first."""
     bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
-    admit(bm, seq(0, [1, 2, 3, 4, 5, 6, 7, 8, 9]))
-    other = seq(1, [0, 0, 0, 0, 5, 6, 7, 8, 9])             # same second block, different first
+    first = seq(0, [1, 2, 3, 4] * 2 + [9])                  # blocks 0 and 1 hold the same tokens
+    admit(bm, first)
+    other = seq(1, [1, 2, 3, 4, 7])
     admit(bm, other)
-    assert other.num_cached_tokens == 0
+    assert other.block_table[0] == first.block_table[0] != first.block_table[1]
+    assert other.num_cached_tokens == 4
+    third = seq(2, [0, 0, 0, 0, 1, 2, 3, 4, 9])             # same second block, different first: no hit
+    admit(bm, third)
+    assert third.num_cached_tokens == 0 and not set(third.block_table) & set(first.block_table)
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token():
@@ -86,11 +93,33 @@ def test_scheduler_preempts_newest_and_loses_nothing():
     assert sched.schedule() == seqs                         # all three prefill in one step
     for step in range(6):                                   # decode: each needs a new block every 2 tokens
         batch = sched.schedule()
+        # a running sequence holds exactly the blocks its tokens need, a waiting one none
+        assert all(len(s.block_table) == bm.blocks_needed(len(s)) for s in sched.running)
+        assert all(s.block_table == [] for s in sched.waiting)
         for s in batch:
             s.num_cached_tokens = len(s)
             s.token_ids.append(7)
-        assert bm.num_used_blocks <= bm.num_blocks
     assert sched.num_preemptions > 0
     assert seqs[2] in sched.waiting                         # the newest went back to the queue first
     used = sum(len(s.block_table) for s in sched.running)
     assert used == bm.num_used_blocks                       # no block leaked or double-owned
+
+
+def test_scheduler_never_preempts_a_prompt_in_the_middle_of_its_prefill():
+    """A 24-token prompt prefilled 2 tokens a step beside a short prompt's decodes, in 8 blocks of 4: the blocks
+    run out while the long prompt is still prefilling (its blocks registered in the prefix cache but not yet
+    computed), so the short one is preempted, never the prompt half-way through."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=2)
+    short, long = seq(0, [3, 1, 4]), seq(1, range(10, 34))
+    for s in (short, long):
+        sched.add(s)
+    victims, preempt = [], sched._preempt
+    sched._preempt = lambda s: victims.append((s.seq_id, s.prefilling, long.prefilling)) or preempt(s)
+    while sched.has_work():
+        batch = sched.schedule()
+        sched.postprocess(batch, [(7, 0.0) if s.num_cached_tokens + s.num_new_tokens == len(s) else None
+                                  for s in batch])
+    assert (short.seq_id, False, True) in victims, victims         # the short one went, the long one mid-prefill
+    assert all(not prefilling for _, prefilling, _ in victims), victims
+    assert short.finished and long.finished and bm.num_used_blocks == 0

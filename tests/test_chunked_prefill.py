@@ -19,6 +19,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def assert_matches_hf(outs, reference, prompts):
+    assert len(outs) == len(reference) == len(prompts)
     for out, ref, prompt in zip(outs, reference, prompts):
         tokens, logprobs = ref
         assert out.token_ids == tokens, f"tokens differ from HF for a prompt of {len(prompt)} tokens"
@@ -71,6 +72,21 @@ def test_tiny_cache_preempts_with_chunks_and_prefix_caching_and_matches_hf(check
     assert_matches_hf(outs, reference, PROMPTS)
 
 
+def test_a_prompt_is_not_preempted_in_the_middle_of_its_prefill(checkpoint, hf_model):
+    """A 24-token prompt prefilled 2 tokens a step beside a short one's decodes, in 8 blocks of 4, with prefix
+    caching: the blocks run out mid-prefill. Preempting the long prompt then would leave its registered but
+    uncomputed blocks in the prefix cache, for its own readmission to hit; the short one goes instead."""
+    short, long = [3, 1, 4], list(range(10, 34))
+    model = hf_model(checkpoint("gqa"))
+    refs = [hf_greedy(model, p, MAX_TOKENS) for p in (short, long)]
+    with LLM(checkpoint("gqa"), enable_prefix_caching=True, block_size=4, num_kv_blocks=8,
+             max_num_batched_tokens=2, max_num_seqs=2) as llm:
+        outs = llm.generate([short, long], GREEDY)
+        stats = llm.stats()
+    assert stats["num_preemptions"] > 0, stats
+    assert_matches_hf(outs, refs, [short, long])
+
+
 @pytest.fixture(scope="module")
 def long_checkpoint(tmp_path_factory):
     return models.save_random_qwen2(tmp_path_factory.mktemp("long"), seed=5, max_position_embeddings=8448,
@@ -94,14 +110,19 @@ def test_8k_prompt_in_chunks_matches_hf(long_checkpoint, hf_model, tp):
 
 def test_incremental_metadata_equals_build_metadata():
     """The builder that keeps each sequence's slots between steps gives ``build_metadata``'s answer (slots from
-    the block tables) at every step of a chunked run."""
-    bm = BlockManager(40, 4, enable_prefix_caching=True)
+    the block tables) at every step of a chunked run, in a cache small enough that sequences are preempted and
+    come back in other blocks (the builder must drop the slots it kept for them)."""
+    bm = BlockManager(6, 4, enable_prefix_caching=True)
     scheduler = Scheduler(bm, max_num_seqs=3, max_num_batched_tokens=7)
     for i, n in enumerate([9, 3, 14, 2, 9]):
         scheduler.add(Sequence(i, list(range(1, n + 1)), n, SamplingParams(max_tokens=5, ignore_eos=True)))
-    builder, steps = MetadataBuilder(4, torch.device("cpu")), 0
+    builder, steps, held, moved = MetadataBuilder(4, torch.device("cpu")), 0, {}, 0
     while scheduler.has_work():
         batch = scheduler.schedule()
+        for s in batch:                 # a sequence whose table no longer starts with the blocks it last ran in
+            before = held.get(s.seq_id, [])
+            moved += s.block_table[:len(before)] != before
+            held[s.seq_id] = list(s.block_table)
         meta = builder.build([s.num_new_tokens for s in batch], [s.num_cached_tokens + s.num_new_tokens for s in batch],
                              [s.block_table for s in batch], [p for s in batch for p in token_positions(s)],
                              [s.seq_id for s in batch])
@@ -109,13 +130,15 @@ def test_incremental_metadata_equals_build_metadata():
                              for s in batch], [s.block_table for s in batch], 4, torch.device("cpu"))
         for field in ("positions", "slot_mapping", "kv_slots"):
             assert torch.equal(getattr(meta, field), getattr(ref, field)), field
+        assert meta.positions.tolist() == [p for s in batch                 # each new token after the cached ones
+                                           for p in range(s.num_cached_tokens, s.num_cached_tokens + s.num_new_tokens)]
         assert (meta.query_start_loc, meta.kv_start_loc) == (ref.query_start_loc, ref.kv_start_loc)
         assert all(torch.equal(a, b) for a, b in zip(meta.visible, ref.visible))
         # the runner's answer: a token for each sequence whose tokens are all fed by this step
         scheduler.postprocess(batch, [(1, 0.0) if s.num_cached_tokens + s.num_new_tokens == len(s) else None
                                       for s in batch])
         steps += 1
-    assert steps > 10
+    assert steps > 10 and scheduler.num_preemptions > 0 and moved > 0
 
 
 def test_an_unscheduled_sequence_feeds_all_its_uncached_tokens():

@@ -25,6 +25,7 @@ FALLBACK_LINE = "tplab: compile=True but"
 
 def within_hf(outputs, hf, folder):
     """Each output's tokens equal HF's greedy ones and its logprobs are within HF's bound."""
+    assert len(outputs) == len(PROMPTS)
     for prompt, out in zip(PROMPTS, outputs):
         ref = hf_greedy(hf(folder), prompt, GREEDY.max_tokens)
         assert out.token_ids == ref[0]
@@ -50,6 +51,7 @@ def test_compiled_tp1_equals_eager_and_hf(compiled_tp1, eager, checkpoint, hf_mo
     outputs, stats, _ = compiled_tp1
     assert stats["compiled_forwards"] == stats["num_steps"] > 0      # every step ran the compiled graph
     within_hf(outputs[:3], hf_model, checkpoint("gqa"))
+    assert len(outputs) == len(eager) + 1
     for out, ref in zip(outputs, eager + [eager[2]]):
         assert out.token_ids == ref.token_ids
     assert outputs[3].logprobs == pytest.approx(eager[2].logprobs, abs=1e-5)

@@ -132,6 +132,36 @@ def test_greedy_picks_the_first_of_tied_maxima_as_argmax_does():
     torch.testing.assert_close(logprobs, expected, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 4, 1.0), (2.0, -1, 0.8)])
+def test_sampled_frequencies_follow_the_tempered_and_filtered_softmax(temperature, top_k, top_p):
+    """20,000 seeded draws from fixed logits, against softmax(logits / T) over the tokens top-k and top-p keep
+    (worked out here apart from the sampler): the others never drawn, the kept ones' counts within a chi-square
+    of 25 of the expected (3 degrees of freedom: a chance under 1 in 50,000, and the seed is fixed). Sampling
+    at T = 1 instead puts it in the thousands. The logprobs reported are the model's, untempered."""
+    import math
+    import torch
+    from tplab.engine.sampling import sample
+    logits = [3.0, 2.0, 1.5, 1.0, 0.0, -2.0]
+    weights = sorted(((math.exp(x / temperature), i) for i, x in enumerate(logits)), reverse=True)
+    weights = weights[:top_k] if top_k > 0 else weights
+    kept, before, total = {}, 0.0, sum(w for w, _ in weights)
+    for w, i in weights:                           # top-p: keep a token while the mass before it is under p
+        if before >= top_p:
+            break
+        kept[i], before = w, before + w / total
+    want = {i: w / sum(kept.values()) for i, w in kept.items()}
+    assert len(want) == 4                          # both settings keep 4 of the 6 tokens
+    n, g = 20_000, torch.Generator().manual_seed(0)
+    table = torch.tensor([logits]).expand(n, -1)
+    tokens, logprobs = sample(table, [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)] * n, [g] * n)
+    counts = torch.bincount(tokens, minlength=len(logits)).tolist()
+    assert all(c == 0 for i, c in enumerate(counts) if i not in want), counts
+    chi2 = sum((counts[i] - n * q) ** 2 / (n * q) for i, q in want.items())
+    expected = [round(n * want.get(i, 0)) for i in range(len(logits))]
+    assert chi2 < 25, f"counts {counts} against {expected}: chi-square {chi2:.0f}"
+    assert torch.equal(logprobs, torch.tensor(logits).log_softmax(-1)[tokens])
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy(llm):
     greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
     for p in (SamplingParams(temperature=1.0, top_k=1, max_tokens=10, ignore_eos=True),

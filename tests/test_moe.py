@@ -44,6 +44,7 @@ def reference(hf):
 
 
 def assert_matches_hf(outs, reference, what):
+    assert len(outs) == len(reference) == len(PROMPTS), what
     for out, ref, prompt in zip(outs, reference, PROMPTS):
         tokens, logprobs = ref
         assert out.token_ids == tokens, f"{what}: tokens differ from HF for a prompt of {len(prompt)} tokens"

@@ -48,15 +48,32 @@ def assert_matches_hf(outs, reference, prompts, what):
 RUNS = {"dp2-ep": dict(DP_EP), "dp2-tp2-ep": dict(DP_EP, tensor_parallel_size=2), "dp2-ep-gloo": dict(DP_EP)}
 
 
+def _generate_counted(folder: str, settings: dict):
+    """In each of 2 ranks (torchrun's way: the LLM in every rank): the answers and stats of PROMPTS, and the paths
+    this rank's all-to-alls took."""
+    from tplab.distributed.parallel_state import count_collectives
+    with LLM(folder, **settings) as llm:
+        with count_collectives() as seen:
+            outs = llm.generate(PROMPTS, GREEDY)
+        stats = llm.stats()
+    swaps = [r.path for r in seen if r.op == "all_to_all"]
+    return [(o.prompt_token_ids, o.token_ids, o.logprobs) for o in outs], stats, len(swaps), set(swaps)
+
+
 @pytest.mark.parametrize("run", list(RUNS))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_matches_hf_with_chunks_prefix_hits_and_preemption_on_every_dp_rank(name, run, moe, reference,
                                                                                     monkeypatch):
     if run.endswith("gloo"):
         monkeypatch.setenv("TPLAB_SHM_COMM", "0")          # every collective through the process group: gloo's all_to_all
-    with LLM(moe(name), **RUNS[run], **TIGHT) as llm:
-        outs = llm.generate(PROMPTS, GREEDY)
-        stats = llm.stats()
+        ranks = launch(_generate_counted, 2, args=(str(moe(name)), dict(RUNS[run], **TIGHT)), timeout=300)
+        for _, _, swaps, paths in ranks:                   # the experts' exchanges went through gloo, on both ranks
+            assert swaps > 0 and paths == {"gloo"}, (swaps, paths)
+        outs, stats, _, _ = ranks[0]
+    else:
+        with LLM(moe(name), **RUNS[run], **TIGHT) as llm:
+            outs = llm.generate(PROMPTS, GREEDY)
+            stats = llm.stats()
     assert_matches_hf(outs, reference(name), PROMPTS, f"{name} {run}")
     assert len({t for tokens, _ in reference(name) for t in tokens}) >= 8, "HF's own output is too weak a reference"
     for rank in stats["dp_ranks"]:                         # each DP rank served its share, under pressure

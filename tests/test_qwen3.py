@@ -49,6 +49,7 @@ def test_greedy_matches_hf_with_chunks_prefix_hits_and_preemption(name, tp, qwen
     with LLM(qwen3(name), tensor_parallel_size=tp, **TIGHT) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
         stats = llm.stats()
+    assert len(outs) == len(reference) == len(PROMPTS)
     for out, ref, prompt in zip(outs, reference, PROMPTS):
         assert out.token_ids == ref[0], f"{name} tp{tp}: tokens differ from HF for a prompt of {len(prompt)} tokens"
         worst = max(abs(a - b) for a, b in zip(out.logprobs, ref[1]))

@@ -1,5 +1,6 @@
 """Failure behaviour of LLM: dying ranks, interrupts and forgotten shutdowns never hang or leak."""
 import gc
+import math
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import _thread
 
 import psutil
 import pytest
-from conftest import live_children
+from conftest import hf_greedy, live_children
 
 from tplab import LLM, SamplingParams, launch, models
 from tplab.distributed.launcher import RankError
@@ -150,7 +151,7 @@ def test_a_second_thread_calling_generate_meanwhile_is_refused_and_the_first_is_
         assert [o.token_ids for o in llm.generate(prompts, params)] == want       # and it goes on working
 
 
-def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint):
+def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint, hf_model):
     llm = LLM(slow_checkpoint, tensor_parallel_size=2, timeout=120)
     pids = rank_pids(llm)
     threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL)).start()
@@ -158,8 +159,9 @@ def test_rank_killed_mid_generate_is_reported_quickly(slow_checkpoint):
     with pytest.raises(RankError, match=r"rank 1 died \(signal 9, SIGKILL\)"):
         llm.generate(BUSY, LONG)
     assert time.monotonic() - start < 30 and gone(pids)
-    with LLM(slow_checkpoint, tensor_parallel_size=2) as fresh:
-        assert fresh.generate([[1, 2]], SamplingParams(max_tokens=2))[0].token_ids
+    with LLM(slow_checkpoint, tensor_parallel_size=2) as fresh:                 # a new LLM serves, rightly
+        tokens = fresh.generate([[1, 2]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    assert tokens == hf_greedy(hf_model(slow_checkpoint), [1, 2], 2)[0]
 
 
 def test_keyboard_interrupt_stops_the_ranks(slow_checkpoint, sigint_raises):
@@ -237,7 +239,9 @@ def test_finite_check_names_the_first_nan_sublayer_and_is_off_unless_asked(check
         with pytest.raises(NonFiniteError, match="model.layers.0.self_attn"):
             llm.generate([[1, 2, 3]])
     with LLM(checkpoint("gqa"), bugs=["mask_mul_inf"]) as llm:                     # off by default
-        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    # nothing stops the NaNs: every logit is NaN, so each token is argmax's answer for such a row (0), its logprob NaN
+    assert out.token_ids == [0, 0, 0] and all(math.isnan(x) for x in out.logprobs), (out.token_ids, out.logprobs)
 
 
 def test_a_part_that_reads_an_unpicklable_global_is_refused_before_ranks_start(checkpoint, tmp_path):

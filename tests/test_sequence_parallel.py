@@ -20,17 +20,19 @@ MAX_TOKENS = 10
 def test_sequence_parallel_matches_hf(name, tp, checkpoint, hf_model):
     model = hf_model(checkpoint(name))
     refs = [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
-    # 11 tokens a step: prompts are prefilled in chunks beside running decodes; 6 blocks of 4 tokens for
-    # 5 sequences of up to 41 tokens: preemption; prompts 0 and 4 share a first block: a prefix-cache hit
+    # 11 tokens a step: prompts are prefilled in chunks beside running decodes; 16 blocks of 4 tokens for
+    # 5 sequences that end with 28 blocks' worth (up to 41 tokens each): preemption; prompts 0 and 4 share a
+    # first block: a prefix-cache hit
     with LLM(checkpoint(name), tensor_parallel_size=tp, sequence_parallel=True, max_num_batched_tokens=11,
              block_size=4, num_kv_blocks=16, enable_prefix_caching=True) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
         stats = llm.stats()
+    assert len(outs) == len(refs) == len(PROMPTS)
     for prompt, out, ref in zip(PROMPTS, outs, refs):
         assert out.token_ids == ref[0], f"{name} tp{tp} SP: tokens differ from HF for prompt {prompt[:5]}..."
         worst = max(abs(a - b) for a, b in zip(out.logprobs, ref[1]))
         assert worst <= ref.bound, f"{name} tp{tp} SP: logprob off by {worst:.2e}, bound {ref.bound:.2e}"
-    assert stats["prefix_cache_hit_blocks"] > 0
+    assert stats["prefix_cache_hit_blocks"] > 0 and stats["num_preemptions"] > 0, stats
 
 
 def _step_collectives(model, sequence_parallel):

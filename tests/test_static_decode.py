@@ -39,8 +39,28 @@ def test_static_decode_matches_hf_with_batching_chunks_and_preemption(checkpoint
         stats = llm.stats()
     assert stats["num_preemptions"] > 0, stats                    # a sequence was preempted and came back
     assert stats["static_decode_steps"] > 0, stats                # decode steps ran at fixed shapes
+    assert len(outs) == len(reference) == len(PROMPTS)
     for out, ref, prompt in zip(outs, reference, PROMPTS):
         assert out.token_ids == ref[0], f"tokens differ from HF for a prompt of {len(prompt)} tokens"
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+
+
+def test_padding_rows_write_only_the_scratch_block(checkpoint, hf_model):
+    """3 prompts of 13 tokens fill all 12 blocks of 4 at their prefill, and their 3 decode steps (positions 13-15,
+    in blocks they hold) are padded to 4 rows: the padding row's K/V must go to the scratch block, not to a
+    block a sequence holds, or that sequence reads a padding token's K/V as its own."""
+    prompts = [list(range(1, 14)), list(range(20, 33)), list(range(40, 53))]
+    model = hf_model(checkpoint("gqa"))
+    refs = [hf_greedy(model, p, 4) for p in prompts]
+    with LLM(checkpoint("gqa"), static_decode=True, device="cpu", block_size=4, num_kv_blocks=12,
+             max_num_seqs=8) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        stats = llm.stats()
+    assert stats["static_decode_steps"] == 3 and stats["num_preemptions"] == 0, stats
+    assert stats["peak_kv_blocks_used"] == 12, stats              # no free block for a stray write to land in
+    assert len(outs) == len(refs)
+    for out, ref in zip(outs, refs):
+        assert out.token_ids == ref[0]
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
 
 
