@@ -108,6 +108,19 @@ def test_lm_head_pads_vocab_and_matches_dense(vocab, tp):
     assert (torch.cat(shards, -1)[:, vocab:] == 0).all()           # padding logits are zero and dropped
 
 
+@pytest.mark.parametrize("cls", [VocabParallelEmbedding, ParallelLMHead])
+def test_vocab_weight_loader_zeroes_the_padding_rows_whatever_the_parameter_held(cls):
+    """The loader itself zeroes the rows past the real vocabulary (the padding logits ``gather_output=False``
+    hands over are documented zeros): not the allocation, which a reload or a ``torch.empty`` leaves dirty."""
+    torch.manual_seed(0)
+    w = torch.randn(31, 8)
+    last = cls(31, 8, tp_rank=1, tp_size=2)                         # rows 16..31 of a padded 32: one padding row
+    last.weight.data.normal_()                                      # what the memory held before the load
+    last.weight_loader(last.weight, w)
+    assert last.num_real_rows == 15 and torch.equal(last.weight[:15], w[16:])
+    assert torch.equal(last.weight[15:], torch.zeros(1, 8))
+
+
 def test_weight_loader_rejects_wrong_full_shape():
     layer = ColumnParallelLinear(16, 24, tp_rank=0, tp_size=2)
     with pytest.raises(WeightShapeError, match=r"expected shape \(24, 16\), found \(16, 24\)"):
