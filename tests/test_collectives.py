@@ -46,7 +46,7 @@ def test_row_parallel_without_a_group_refuses_instead_of_returning_a_partial_sum
 def _shm_against_gloo():
     """The shared-memory collectives against gloo's, on small and slot-overflowing tensors."""
     import torch.distributed as dist
-    from tplab.distributed.parallel_state import all_gather, all_reduce
+    from tplab.distributed.parallel_state import all_gather, all_reduce, reduce_scatter
     from tplab.distributed import parallel_state
     from tplab.distributed.shm_comm import SLOT_BYTES
 
@@ -64,13 +64,17 @@ def _shm_against_gloo():
     with torch.inference_mode():                # the engine's forward runs in inference mode, a notebook's cell
         inside = all_reduce(torch.ones(2, 5), n).clone()        # not: the same shape, both ways round
     sums = [inside, all_reduce(torch.ones(2, 5), n), all_reduce(torch.ones(5, 2).t(), n)]   # the last strided
-    return worst, gathered, parallel_state._shm_for(torch.zeros(1)) is not None, sums
+    y = torch.randn(8, 12)
+    total = y.clone()
+    dist.all_reduce(total)                                           # gloo's sum; rank r keeps its chunk of it
+    scattered = max((reduce_scatter(y.clone(), n, dim=d) - total.chunk(n, d)[r]).abs().max().item() for d in (0, 1))
+    return worst, gathered, parallel_state._shm_for(torch.zeros(1)) is not None, sums, scattered
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_shared_memory_collectives_match_gloo(tp):
-    for worst, gathered, used, sums in launch(_shm_against_gloo, tp, timeout=120):
-        assert used and worst < 1e-5
+    for worst, gathered, used, sums, scattered in launch(_shm_against_gloo, tp, timeout=120):
+        assert used and worst < 1e-5 and scattered < 1e-5
         assert [tuple(s.shape) for s in sums] == [(2, 5)] * 3 and all(torch.equal(s, torch.full((2, 5), float(tp)))
                                                                       for s in sums), sums
         assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(tp)], -1))
