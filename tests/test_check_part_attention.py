@@ -105,3 +105,79 @@ def test_attention_mistakes_are_named(impl, words):
 def test_an_error_not_from_the_cache_write_gets_no_hint_about_the_cache(impl, words):
     result = check_part("attention", impl)
     assert result.ok is False and words in result.message and "repeated K/V" not in result.message, result.message
+
+
+class Skeleton(MyAttention):
+    """The solution's cache write, then each sequence's attention with one piece changed (``attend``)."""
+    def forward(self, q, k, v, kv_cache, meta):
+        k_cache, v_cache = self.write(k, v, kv_cache, meta)
+        out = torch.empty_like(q)
+        for b in range(meta.num_seqs):
+            s, e = meta.query_start_loc[b], meta.query_start_loc[b + 1]
+            keys, values = (c[meta.seq_kv_slots(b)].transpose(0, 1) for c in (k_cache, v_cache))
+            out[s:e] = self.attend(q[s:e].transpose(0, 1), keys, values, meta.visible[b]).transpose(0, 1)
+        return out.flatten(1)
+
+    def write(self, k, v, kv_cache, meta):
+        k_cache, v_cache = (c.view(-1, *c.shape[2:]) for c in kv_cache)
+        k_cache[meta.slot_mapping], v_cache[meta.slot_mapping] = k, v
+        return k_cache, v_cache
+
+    def attend(self, q, k, v, visible):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True)
+
+
+class SlotOffByOne(Skeleton):
+    def write(self, k, v, kv_cache, meta):
+        k_cache, v_cache = (c.view(-1, *c.shape[2:]) for c in kv_cache)
+        k_cache[meta.slot_mapping + 1], v_cache[meta.slot_mapping + 1] = k, v
+        return k_cache, v_cache
+
+
+class BlocksIndexedBySlot(Skeleton):
+    def write(self, k, v, kv_cache, meta):
+        kv_cache[0][meta.slot_mapping], kv_cache[1][meta.slot_mapping] = k, v
+        return (c.view(-1, *c.shape[2:]) for c in kv_cache)
+
+
+class KVSwapped(Skeleton):
+    def write(self, k, v, kv_cache, meta):
+        return super().write(v, k, kv_cache, meta)
+
+
+class NoGQA(Skeleton):
+    def attend(self, q, k, v, visible):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale)
+
+
+class ScaledByHeadDim(Skeleton):
+    def attend(self, q, k, v, visible):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=1 / self.head_dim, enable_gqa=True)
+
+
+class InvertedMask(Skeleton):
+    def attend(self, q, k, v, visible):
+        return super().attend(q, k, v, ~visible)
+
+
+class OwnKeyHidden(Skeleton):
+    def attend(self, q, k, v, visible):
+        lq, lk = visible.shape
+        return super().attend(q, k, v, torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq - 1))
+
+
+@pytest.mark.parametrize("impl, words", [
+    (SlotOffByOne, "the K cache does not hold sequence 0's keys at the slots of its blocks [2, 0]: they are 1 slot "
+                   "later; write them at meta.slot_mapping as it is"),
+    (BlocksIndexedBySlot, "A slot counts token rows, not blocks: view each cache (num_blocks, block_size, H_kv, D) as "
+                          "(num_blocks * block_size, H_kv, D)"),
+    (KVSwapped, "it holds the values; k goes to kv_cache[0], v to kv_cache[1]"),
+    (NoGQA, "The queries have H = 4 heads, the keys and values H_kv = 2: each KV head serves H / H_kv = 2 query "
+            "heads (enable_gqa=True"),
+    (ScaledByHeadDim, "the scores are scaled by 1 / head_dim"),
+    (InvertedMask, "the mask is inverted: meta.visible[b] is True where a query may attend"),
+    (OwnKeyHidden, "a query does not see its own key")])
+def test_attention_cache_and_gqa_mistakes_are_named(impl, words):
+    result = check_part("attention", impl)
+    assert result.ok is False and words in result.message, result.message
+    assert "repeated K/V" not in result.message, result.message

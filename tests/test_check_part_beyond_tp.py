@@ -59,6 +59,18 @@ def test_a_stub_is_not_attempted(name, impl):
 
 
 # The region's mistakes ---------------------------------------------------------------------------------------------
+def _mistake(name, base, **methods):
+    """A mistake in one or two methods, as the class a learner's cell defines (the other methods right)."""
+    return type(name, (base,), methods)
+
+
+class FloorPerRank(Region):
+    def __init__(self, num_tokens, tp_rank, tp_size):                 # T // t rows each: add then raises
+        super().__init__(num_tokens, tp_rank, tp_size)
+        self.per_rank = num_tokens // tp_size
+        self.padded = self.per_rank * tp_size
+
+
 class NoPadding(Region):
     def add(self, partial, residual=None):
         summed = reduce_scatter(partial, self.tp_size, dim=0)
@@ -95,36 +107,6 @@ class HiddenDim(Region):
     def add(self, partial, residual=None):
         summed = reduce_scatter(self.pad(partial), self.tp_size, dim=1).reshape(-1, partial.shape[1])
         return summed if residual is None else residual + summed
-
-
-class NoResidual(Region):
-    def add(self, partial, residual=None):
-        return super().add(partial)
-
-
-class NormTwice(Region):
-    def norm_gather(self, x, norm):
-        return norm(super().norm_gather(x, norm))
-
-
-class GatherOnDefaultDim(Region):
-    def norm_gather(self, x, norm):
-        return all_gather(norm(x), self.tp_size)
-
-
-class KeepsPadding(Region):
-    def norm_gather(self, x, norm):
-        return all_gather(norm(x), self.tp_size, dim=0)
-
-
-class NormAfterGather(Region):
-    def norm_gather(self, x, norm):
-        return norm(all_gather(x, self.tp_size, dim=0)[:self.num_tokens])
-
-
-class AddReturnsTuple(Region):
-    def add(self, partial, residual=None):
-        return super().add(partial, residual), residual
 
 
 # The stage's mistakes ----------------------------------------------------------------------------------------------
@@ -164,17 +146,6 @@ class HiddenOnly(Stage):
         return hidden, torch.zeros_like(hidden)
 
 
-class Swapped(Stage):
-    def recv(self, rows, hidden_size, dtype, device):
-        hidden, residual = super().recv(rows, hidden_size, dtype, device)
-        return residual, hidden
-
-
-class PeerWithoutTP(Stage):
-    def peer(self, pp_rank):                                           # the stage's index taken for a world rank
-        return pp_rank
-
-
 class BlockingSend(Stage):
     def send(self, hidden, residual):
         dist.send(hidden.contiguous(), self.peer(self.pp_rank + 1))
@@ -202,12 +173,19 @@ MISTAKES = [  # (part, impl, TP size, words the message must hold, words it must
     ("sp_norm_region", AllReduceInPlace, 2, "but it ran all_reduce of 256 B (put in)", "embed_tokens"),
     ("sp_norm_region", AllReduceByName, 2, "but it ran all_reduce of 256 B (put in)", None),
     ("sp_norm_region", HiddenDim, 2, "hidden dimension (dim 1)", None),
-    ("sp_norm_region", NoResidual, 2, "did not add the residual", None),
-    ("sp_norm_region", NormTwice, 2, "applied the norm twice", None),
-    ("sp_norm_region", GatherOnDefaultDim, 2, "dim defaults to -1", None),
-    ("sp_norm_region", KeepsPadding, 2, "kept the padding rows", None),
-    ("sp_norm_region", NormAfterGather, 2, "normed the gathered tokens", None),
-    ("sp_norm_region", AddReturnsTuple, 2, "add(partial) returned a tuple, not a tensor: return only", "Attribute"),
+    ("sp_norm_region", _mistake("NoResidual", Region, add=lambda self, partial, residual=None: Region.add(
+        self, partial)), 2, "did not add the residual", None),
+    ("sp_norm_region", _mistake("NormTwice", Region, norm_gather=lambda self, x, norm: norm(Region.norm_gather(
+        self, x, norm))), 2, "applied the norm twice", None),
+    ("sp_norm_region", _mistake("GatherOnDefaultDim", Region, norm_gather=lambda self, x, norm: all_gather(
+        norm(x), self.tp_size)), 2, "dim defaults to -1", None),
+    ("sp_norm_region", _mistake("KeepsPadding", Region, norm_gather=lambda self, x, norm: all_gather(
+        norm(x), self.tp_size, dim=0)), 2, "kept the padding rows", None),
+    ("sp_norm_region", _mistake("NormAfterGather", Region, norm_gather=lambda self, x, norm: norm(all_gather(
+        x, self.tp_size, dim=0)[:self.num_tokens])), 2, "normed the gathered tokens", None),
+    ("sp_norm_region", _mistake("AddReturnsTuple", Region, add=lambda self, partial, residual=None: (Region.add(
+        self, partial, residual), residual)), 2, "add(partial) returned a tuple, not a tensor: return only",
+     "Attribute"),
     ("pipeline_stage", FloorDivision, 1, "layers [4] belong to no stage ([[0, 1], [2, 3]]): num_layers // pp_size "
      "each drops the remainder", None),
     ("pipeline_stage", EndsEarly, 1, "4 layers in 2 stages: each stage's range ends one layer early ([[0], [2]]; "
@@ -215,15 +193,37 @@ MISTAKES = [  # (part, impl, TP size, words the message must hold, words it must
     ("pipeline_stage", HeadEverywhere, 1, "belong to the last stage only", None),
     ("pipeline_stage", KVEveryLayer, 1, "memory for nothing", None),
     ("pipeline_stage", HiddenOnly, 1, "not the residual stream", None),
-    ("pipeline_stage", Swapped, 1, "swapped", None),
-    ("pipeline_stage", PeerWithoutTP, 2, "rank 0 (stage 0, TP rank 0): isend to world rank 1; its peer is world "
-     "rank 2, the same TP rank one stage away: a stage's peer is world rank (pp_rank +/- 1) * tp_size + tp_rank", None),
+    ("pipeline_stage", _mistake("Swapped", Stage, recv=lambda self, *args: Stage.recv(self, *args)[::-1]), 1,
+     "swapped", None),
+    ("pipeline_stage", _mistake("PeerWithoutTP", Stage, peer=lambda self, pp_rank: pp_rank), 2, "rank 0 (stage 0, "
+     "TP rank 0): isend to world rank 1; its peer is world rank 2, the same TP rank one stage away: a stage's peer "
+     "is world rank (pp_rank +/- 1) * tp_size + tp_rank", None),
     ("pipeline_stage", BlockingSend, 2, "its send used dist.send, which returns only once the peer has received "
      "(a blocking send)", "peer is world rank"),
     ("pipeline_stage", DropsRequests, 2, "its send dropped 2 of the 2 requests isend returned, without wait(). gloo "
      "loses a message whose request is garbage-collected", "peer is world rank"),
     ("pipeline_stage", Bf16Buffers, 2, "rank 2 (stage 1, TP rank 0): its recv made a (5, 8) torch.bfloat16 buffer "
      "of 80 B for the (5, 8) torch.float32 tensor of 160 B the previous stage sent", "died"),
+    ("sp_norm_region", _mistake("NoAllGather", Region, norm_gather=lambda self, x, norm: norm(x)), 2,
+     "norm_gather returned this rank's 3 normed rows, not gathered: the next layer needs all T tokens", None),
+    ("sp_norm_region", _mistake("LocalNoPad", Region, local=lambda self, full: full[
+        self.tp_rank * self.per_rank:(self.tp_rank + 1) * self.per_rank]), 4, "local(full) gave 1 row(s), past the "
+     "end of the T tokens: pad them with zero rows", None),
+    ("sp_norm_region", FloorPerRank, 2, "per_rank = T // tp_size leaves out T % tp_size tokens", "size of tensor"),
+    ("sp_norm_region", _mistake("Rank0Only", Region, add=lambda self, partial, residual=None: Region.add(
+        self, partial, residual) if self.tp_rank == 0 else self.local(partial)), 2, "rank(s) [0] had not ended "
+     "add(partial) after 15 s, while rank 1 ran no collective in it", "did not finish in time"),
+    ("pipeline_stage", _mistake("SendsResidualTwice", Stage, send=lambda self, hidden, residual: Stage.send(
+        self, residual, residual)), 1, "received (residual, residual) for (hidden, residual): the same tensor twice",
+     None),
+    ("pipeline_stage", _mistake("SendsTheSum", Stage, send=lambda self, hidden, residual: Stage.send(
+        self, hidden + residual, residual)), 2, "(hidden + residual, residual) for (hidden, residual): send hidden "
+     "and residual as they are", None),
+    ("pipeline_stage", _mistake("RecvsNothing", Stage, recv=lambda self, rows, size, dtype, device: (torch.zeros(
+        rows, size, dtype=dtype),) * 2), 1, "received (zeros, zeros) for (hidden, residual): a buffer nothing was "
+     "received into?", None),
+    ("pipeline_stage", _mistake("RecvNoReturn", Stage, recv=lambda self, *args: Stage.recv(self, *args) and None), 1,
+     "recv must return the pair (hidden, residual), got NoneType: did you forget `return`?", None),
 ]
 
 

@@ -8,8 +8,10 @@ import cloudpickle
 import pytest
 import torch
 
+from tplab.distributed.parallel_state import all_reduce
 from tplab.exercises import FORGOT_RETURN, check_engine, check_part
 from tplab.exercises.solutions import PARTS, define
+from tplab.layers import copy_into
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the parts below travel to the ranks by value
 
@@ -147,3 +149,57 @@ class Exits(Row):
 def test_a_sys_exit_in_a_part_is_a_verdict_not_the_end_of_the_notebook():
     result = check_part("row_linear", Exits, tensor_parallel_size=2)
     assert result.ok is False and "SystemExit" in result.message, result.message
+
+
+class NarrowsOneRankOn(Row):
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:
+            return super().weight_loader(param, loaded, shard_id)
+        cols = param.shape[1]
+        param.data.copy_(loaded.narrow(1, (self.tp_rank + 1) * cols, cols).materialize())
+
+
+class UpAtTheFullOffset(GateUp):
+    def weight_loader(self, param, loaded, shard_id):
+        rows = self.local_sizes[shard_id]
+        param.data.narrow(0, shard_id * loaded.shape[0], rows).copy_(loaded.narrow(0, self.tp_rank * rows, rows)
+                                                                     .materialize())
+
+
+class BiasAlways(Row):
+    def forward(self, x):
+        y = x @ self.weight.T
+        return all_reduce(y + self.bias if self.tp_rank == 0 else y, self.tp_size)
+
+
+class LoaderForWeightsOnly(Row):
+    def weight_loader(self, param, loaded, shard_id=None):
+        cols = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * cols, cols).materialize())
+
+
+class SlicesItsSliceAgain(Row):
+    def forward(self, x):
+        cols = self.input_size // self.tp_size
+        return super().forward(x[:, self.tp_rank * cols:(self.tp_rank + 1) * cols])
+
+
+class CopiesTheWholeWeight(GateUp):
+    def weight_loader(self, param, loaded, shard_id):
+        rows = self.local_sizes[shard_id]
+        copy_into(param.data.narrow(0, shard_id * rows, rows), loaded.narrow(0, 0, loaded.shape[0]))
+
+
+@pytest.mark.parametrize("name, impl, words", [
+    ("row_linear", NarrowsOneRankOn, "cannot take [12:24] of dim 1 from shape (8, 12) in your weight_loader, line"),
+    ("row_linear", NarrowsOneRankOn, "Hint: a narrow past the end of the checkpoint tensor: this rank's rows (or "
+                                     "columns) start at tp_rank * its share"),
+    ("gate_up_linear", UpAtTheFullOffset, "Hint: a narrow past the end of this rank's parameter"),
+    ("row_linear", BiasAlways, "Hint: self.bias is None when the layer is built with bias=False"),
+    ("row_linear", LoaderForWeightsOnly, "`cols = param.shape[1]`. Hint: the weight_loader loads the bias too, a 1-D"),
+    ("row_linear", SlicesItsSliceAgain, "Hint: x is already this rank's features, (T, input_size / tp_size)"),
+    ("gate_up_linear", CopiesTheWholeWeight, "Hint: what you copy must have the shape of where it goes"),
+])
+def test_an_error_in_a_layer_part_gets_the_hint_that_names_its_mistake(name, impl, words):
+    result = check_part(name, impl)
+    assert result.ok is False and words in result.message, result.message

@@ -1,4 +1,5 @@
 """The notebook 00 checker passes the reference ring all-reduce and names each usual mistake, in real ranks."""
+import pytest
 import torch
 from torch.distributed import all_reduce
 
@@ -169,3 +170,81 @@ def test_fit_alpha_beta_recovers_a_line_and_falls_back_to_alpha_alone():
     assert abs(alpha / 20e-6 - 1) < 1e-6 and abs(beta / 5e9 - 1) < 1e-6
     alpha, beta = fit_alpha_beta(list(n), [3e-4, 1e-4] * 5)            # no size dependence: alpha alone
     assert beta == float("inf") and abs(alpha - np.sqrt(3e-4 * 1e-4)) < 1e-12
+
+
+def whole_tensor_ring(x):
+    """Passes all of x round the ring, adding what arrives: the right sum, at (world - 1) times x per rank."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total, passing = x.clone(), x.clone()
+    for _ in range(world - 1):
+        incoming = torch.empty_like(passing)
+        request = dist.isend(passing, (rank + 1) % world)
+        dist.recv(incoming, (rank - 1) % world)
+        request.wait()
+        total += incoming
+        passing = incoming
+    return total
+
+
+def one_step_too_many(x):
+    """world reduce-scatter steps, not world - 1: the extra sum is overwritten by the all-gather, the traffic is not."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = x.reshape(-1).clone()
+    chunks = list(flat.tensor_split(world))
+    for phase, steps in (("reduce", world), ("gather", world - 1)):
+        for step in range(steps):
+            send, recv = ((rank - step) % world, (rank - step - 1) % world) if phase == "reduce" else \
+                ((rank + 1 - step) % world, (rank - step) % world)
+            incoming = torch.empty_like(chunks[recv])
+            request = dist.isend(chunks[send].contiguous(), (rank + 1) % world)
+            dist.recv(incoming, (rank - 1) % world)
+            request.wait()
+            chunks[recv].add_(incoming) if phase == "reduce" else chunks[recv].copy_(incoming)
+    return flat.view_as(x)
+
+
+@pytest.mark.parametrize("fn, sent", [(whole_tensor_ring, "sent 24 values, 2.00 times x"),
+                                      (one_step_too_many, "sent 20 values, 1.67 times x")])
+def test_a_right_sum_that_sends_more_than_the_ring_is_refused(fn, sent):
+    result = nb00.check_ring_all_reduce(fn, world_sizes=WORLD3)
+    assert result.ok is False and "the sum is right" in result.message and sent in result.message, result.message
+    assert "2 (world - 1) / world = 1.33 times x" in result.message, result.message
+
+
+def test_a_sum_assigned_to_a_new_tensor_is_told_to_add_in_place():
+    def rebinds(x):
+        import torch.distributed as dist
+        rank, world = dist.get_rank(), dist.get_world_size()
+        flat = x.reshape(-1).clone()
+        chunks = list(flat.tensor_split(world))
+        for phase in ("reduce", "gather"):
+            for step in range(world - 1):
+                send, recv = ((rank - step) % world, (rank - step - 1) % world) if phase == "reduce" else \
+                    ((rank + 1 - step) % world, (rank - step) % world)
+                incoming = torch.empty_like(chunks[recv])
+                request = dist.isend(chunks[send].contiguous(), (rank + 1) % world)
+                dist.recv(incoming, (rank - 1) % world)
+                request.wait()
+                if phase == "reduce":
+                    chunks[recv] = chunks[recv] + incoming       # a new tensor: flat never sees the sum
+                else:
+                    chunks[recv].copy_(incoming)
+        return flat.view_as(x)
+    result = nb00.check_ring_all_reduce(rebinds, world_sizes=WORLD3)
+    assert result.ok is False and "never reached the tensor you return" in result.message, result.message
+    assert "add in place (chunks[i] += incoming" in result.message and "all-gather phase" not in result.message
+
+
+def test_blocking_sends_on_every_rank_time_out_naming_isend():
+    def sends_first(x):
+        import torch.distributed as dist
+        rank, world = dist.get_rank(), dist.get_world_size()
+        incoming = torch.empty_like(x)
+        dist.send(x.contiguous(), (rank + 1) % world)          # every rank waits here for a recv nobody posts
+        dist.recv(incoming, (rank - 1) % world)
+        return x + incoming
+    result = nb00.check_ring_all_reduce(sends_first, world_sizes=WORLD3, timeout=10)
+    assert result.ok is False and "A blocking dist.send on every rank" in result.message, result.message
+    assert "dist.isend, then dist.recv, then wait()" in result.message

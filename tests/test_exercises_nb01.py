@@ -55,3 +55,24 @@ def test_check_causal_mask_names_an_int64_mask_as_integer_not_float():
     result = nb01.check_causal_mask(as_int64)
     assert result.ok is False and "dtype torch.int64: return booleans" in result.message, result.message
     assert "A float mask built by multiplying" not in result.message and "`.bool()`" in result.message
+
+
+def test_check_causal_mask_names_the_offset_with_its_sign_flipped():
+    result = nb01.check_causal_mask(lambda q, k: torch.ones(q, k, dtype=torch.bool).tril(q - k))
+    assert result.ok is False and "the offset's sign is flipped" in result.message, result.message
+    assert "inverted" not in result.message                   # it sees nothing at q_len 1, not the complement
+
+
+def test_check_causal_mask_names_an_additive_mask_and_not_the_nan_bug():
+    def additive(q, k):
+        return torch.zeros(q, k).masked_fill(~SOLUTION(q, k), float("-inf"))
+    result = nb01.check_causal_mask(additive)
+    assert result.ok is False and "an additive mask, 0 where visible and -inf where hidden" in result.message
+    assert "`mask == 0`" in result.message and "0 * -inf" not in result.message, result.message
+
+
+def test_check_causal_mask_names_a_transposed_mask():
+    result = nb01.check_causal_mask(lambda q, k: SOLUTION(q, k).T)                 # (4, 4) first: the upper triangle
+    assert result.ok is False and "transposed, the upper triangle" in result.message, result.message
+    result = nb01.check_causal_mask(lambda q, k: torch.arange(q)[None, :] <= torch.arange(k)[:, None] - (k - q))
+    assert result.ok is False and "(k_len, q_len), transposed; rows are the queries" in result.message, result.message

@@ -1,4 +1,5 @@
 """The notebook 04 checker accepts a right repeat_kv and names the classic mistakes."""
+import pytest
 import torch
 
 from tplab.exercises import nb04
@@ -57,3 +58,20 @@ def test_check_repeat_kv_names_changed_values():
     result = nb04.check_repeat_kv(lambda k, n: k.repeat_interleave(n, dim=1) * 1.5)
     assert result.ok is False and "a value k does not hold" in result.message, result.message
     assert "KV head h // n_rep = 0" in result.message
+
+
+def _expand_without_reshape(k, n):
+    return k[:, :, None].expand(k.shape[0], k.shape[1], n, *k.shape[2:])
+
+
+@pytest.mark.parametrize("fn, words", [
+    (lambda k, n: torch.cat([k] * n, dim=1), "that is `repeat` (or torch.cat([k] * n_rep, 1))"),
+    (lambda k, n: k.repeat_interleave(n, dim=0), "repeated along dim 0 (B); the KV heads are dim 1"),
+    (lambda k, n: k.repeat_interleave(n), "repeat_interleave without dim flattens k"),
+    (lambda k, n: k, "k came back as it is, H_kv heads"),
+    (lambda k, n: k.repeat_interleave(2, 1), "each head repeated 2 times; repeat it n_rep = 3 times"),
+    (_expand_without_reshape, "reshape the (B, H_kv, n_rep, T, D) expand to (B, H_kv * n_rep, T, D)"),
+    (lambda k, n: k.view(k.shape[0], k.shape[1] * n, *k.shape[2:]), "they cannot make the n_rep copies: expand")])
+def test_check_repeat_kv_names_each_usual_mistake(fn, words):
+    result = nb04.check_repeat_kv(fn)
+    assert result.ok is False and words in result.message, result.message

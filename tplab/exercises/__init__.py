@@ -6,6 +6,8 @@ inputs and say what looks wrong; they never print the solution. ``show_solution(
 for when you are stuck (the reference solutions are in ``tplab.exercises.solutions``).
 """
 import contextlib
+import linecache
+import re
 
 import torch
 
@@ -72,6 +74,17 @@ def own_code(obj) -> set:
     if isinstance(obj, type):
         return {f.__code__ for f in vars(obj).values() if hasattr(f, "__code__")}
     return {obj.__code__} if hasattr(obj, "__code__") else set()
+
+
+def learner_line(impl, text: str) -> str:
+    """Where in the learner's code a traceback (text) went wrong: ``" in forward, line 12: y = ..."``."""
+    files = {c.co_filename for c in own_code(impl)}
+    hits = [(f, int(n), fn) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text) if f in files]
+    if not hits:
+        return ""
+    filename, lineno, function = hits[-1]
+    code = linecache.getline(filename, lineno).strip()
+    return f" in your {function}, line {lineno}" + (f": `{code}`" if code else "")
 
 
 def is_stub_error(obj, error: BaseException) -> bool:

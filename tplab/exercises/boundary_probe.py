@@ -260,7 +260,8 @@ def _values_problem(gots, sent, tp: int) -> str | None:
             where = (f"the boundary at TP {tp} x PP {PP}: rank {tp + rank} (stage 1, TP rank {rank}), pair {k + 1} "
                      f"({ROWS[k]} rows)")
             if not isinstance(pair, tuple) or len(pair) != 2:
-                return f"{where}: recv must return the pair (hidden, residual), got {type(pair).__name__}"
+                return f"{where}: recv must return the pair (hidden, residual), got {type(pair).__name__}" + (
+                    ": did you forget `return`?" if pair is None else "")
             if same(pair[0], hidden) and same(pair[1], residual):
                 continue
             if any(isinstance(x, torch.Tensor) and x.dtype != torch.float32 for x in pair):
@@ -273,5 +274,20 @@ def _values_problem(gots, sent, tp: int) -> str | None:
             if any(same(pair[0], other[k][0]) for other in sent):
                 return (f"{where} received another TP rank's pair: send to the same TP rank of the next stage, world "
                         "rank (pp_rank + 1) * tp_size + tp_rank")
-            return f"{where} received something else than what stage 0's TP rank {rank} sent"
+            return f"{where} received {_received_as(pair, hidden, residual)}"
     return None
+
+
+def _received_as(pair, hidden, residual) -> str:
+    """What stage 1's recv returned for the pair (hidden, residual) sent, when it is not that pair."""
+    sent = {"hidden": hidden, "residual": residual, "hidden + residual": hidden + residual}
+    got = [f"a {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))}" if not isinstance(x, torch.Tensor)
+           or x.shape != hidden.shape else next((n for n, t in sent.items() if torch.allclose(x, t)),
+                                                "other values" if x.any() else "zeros") for x in pair]
+    said = f"({got[0]}, {got[1]}) for (hidden, residual)"
+    if "hidden + residual" in got:
+        return f"{said}: send hidden and residual as they are; the next stage's first layer adds them itself"
+    if "zeros" in got or "other values" in got:
+        return f"{said}: a buffer nothing was received into? recv(buffer, src) fills it: receive both, in order"
+    twice = "the same tensor twice; " if got[0] == got[1] else ""
+    return f"{said}: {twice}send hidden, then residual, and receive them in that order"

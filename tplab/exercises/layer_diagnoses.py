@@ -2,6 +2,7 @@
 mistake it is. Each ``diagnose_<part>(spec, results, tp)`` returns ``(ok, message)``; the
 expected weights and outputs are worked out here from the full tensors, with plain matmuls."""
 import torch
+import torch.nn.functional as F
 
 from tplab.exercises.layer_probes import D, E, H, H_KV, I, V
 
@@ -35,15 +36,45 @@ def _shape(t) -> tuple:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else ()
 
 
-def _check_param(results, name, expected, what) -> str | None:
-    """A message for the first rank whose ``name`` differs from ``expected[r]``, else None."""
+def _origin(got: torch.Tensor, want: torch.Tensor, sources: dict, unit: str) -> str | None:
+    """Where ``got``'s rows (``unit``) come from in the checkpoint tensors ``sources`` ({name: full tensor}), at the
+    first row that is not where ``want``'s is: "rows 0-5 hold up_proj's rows 0-5, expected gate_proj's rows 0-5"."""
+    names = [n for n, t in sources.items() for _ in range(len(t))]
+    index = [i for t in sources.values() for i in range(len(t))]
+    table = torch.cat([t.reshape(len(t), -1) for t in sources.values()]).float()
+
+    def where(rows):                                   # (row index in table, or -1) for each row of rows
+        hits = (rows.reshape(len(rows), -1).float()[:, None] == table[None]).all(-1)
+        return [int(h.nonzero()[0]) if h.any() else -1 for h in hits]
+    mine, right = where(got), where(want)
+    first = next((i for i, (a, b) in enumerate(zip(mine, right)) if a != b), None)
+    if first is None:
+        return None
+    n, units = 1, {"entry": "entries"}.get(unit, unit + "s")
+    while first + n < len(mine) and all(s[first + n] == (s[first] + n if s[first] >= 0 else -1) for s in (mine, right)) \
+            and all(s[first] < 0 or names[s[first + n]] == names[s[first]] for s in (mine, right)):
+        n += 1
+
+    def say(at):
+        return f"{names[at]}'s {units} {index[at]}-{index[at] + n - 1}" if n > 1 else f"{names[at]}'s {unit} {index[at]}"
+    span = f"{units} {first}-{first + n - 1}" if n > 1 else f"{unit} {first}"
+    have = "no numbers of the checkpoint (not loaded? torch.empty's values are left)" if mine[first] < 0 else \
+        say(mine[first])
+    return f"{span} hold {have}, expected {say(right[first])}"
+
+
+def _check_param(results, name, expected, what, sources=None, unit="row") -> str | None:
+    """A message for the first rank whose ``name`` differs from ``expected[r]``, else None. With ``sources``
+    (the full checkpoint tensors it is cut from), a wrong shard of the right shape says where its rows are from."""
     for r, res in enumerate(results):
         got = res["params"].get(name)
         if got is None:                       # run_probe found a tensor self.<name>, but not among the parameters
             return (f"rank {r}: `self.{name}` is a tensor but not an nn.Parameter, so named_parameters(), where the "
                     f"engine's loader looks weights up, does not list it: make it nn.Parameter(..., requires_grad=False)")
         if _shape(got) != _shape(expected[r]):
-            return f"rank {r}: `{name}` has shape {_shape(got)}, expected {_shape(expected[r])} ({what})"
+            flipped = ("; yours is transposed: keep the checkpoint's (out, in) layout, as nn.Linear does, and compute "
+                       "x @ self.weight.T" if len(_shape(got)) == 2 and _shape(got) == _shape(expected[r])[::-1] else "")
+            return f"rank {r}: `{name}` has shape {_shape(got)}, expected {_shape(expected[r])} ({what}){flipped}"
         wrong_kind = device_or_dtype_mistake(f"`{name}`", got, expected[r])
         if wrong_kind:
             return f"rank {r}: {wrong_kind}"
@@ -52,7 +83,10 @@ def _check_param(results, name, expected, what) -> str | None:
             if other is not None:
                 return (f"rank {r}: `{name}` holds rank {other}'s shard, not its own ({what}): start the narrow at "
                         "this rank's offset, tp_rank * the shard's size")
-            return f"rank {r}: `{name}` has the right shape but holds the wrong numbers ({what})"
+            flip = (lambda t: t.T) if unit == "column" else (lambda t: t)
+            origin = _origin(flip(got), flip(expected[r]), sources, unit) if sources else None
+            return f"rank {r}: `{name}` " + (f"{origin} ({what})" if origin else
+                                              f"has the right shape but holds the wrong numbers ({what})")
     return None
 
 
@@ -80,7 +114,7 @@ def diagnose_row_linear(spec, results, tp):
     cols = I // tp
     w_r = [w[:, r * cols:(r + 1) * cols] for r in range(tp)]
     bad = _check_param(results, "weight", w_r, "this rank's columns of the (output_size, input_size) weight: "
-                       "row parallel splits dim 1, the inputs")
+                       "row parallel splits dim 1, the inputs", {"the checkpoint weight": w.T}, "column")
     if bad and _shape(results[0]["params"].get("weight")) == (E // tp, I) and tp > 1:
         bad += "; yours is the column-parallel shard: rows of dim 0, sharded on the wrong dimension"
     bad = bad or _check_param(results, "bias", [b] * tp, "the bias is not split: it is added once, in full")
@@ -101,6 +135,11 @@ def diagnose_row_linear(spec, results, tp):
          "added (ReduceOp.SUM), not averaged, and not divided by tp_size"),
         ("bias", [total + (tp - 1) * b] * tp, f"the bias is counted {tp} times: added on every rank before the "
          "all-reduce. Add it on rank 0 only, or once after the all-reduce"),
+        ("bias on rank 0", [total - (b if r else 0) for r in range(tp)], "the bias is missing on this rank: added "
+         "after the all-reduce on rank 0 only. Add it before the all-reduce on rank 0, or after it on every rank"),
+        ("gathered", [torch.cat([p + (b if r == 0 else 0) for r, p in enumerate(partial)], -1)] * tp,
+         "returned the ranks' partial sums side by side (all-gather): they are parts of one sum, so add them: "
+         f"{ALL_REDUCE}"),
     ])
 
 
@@ -108,7 +147,8 @@ def diagnose_gate_up_linear(spec, results, tp):
     g, u, x = spec.weights[0][1], spec.weights[1][1], spec.x
     rows = I // tp
     right = [torch.cat([g[r * rows:(r + 1) * rows], u[r * rows:(r + 1) * rows]]) for r in range(tp)]
-    bad = _check_param(results, "weight", right, "[this rank's gate rows | this rank's up rows]")
+    bad = _check_param(results, "weight", right, "[this rank's gate rows | this rank's up rows]",
+                       {"gate_proj": g, "up_proj": u})
     if bad:
         got = results[0]["params"].get("weight")
         fused = torch.cat([g, u])[: 2 * rows]
@@ -117,7 +157,7 @@ def diagnose_gate_up_linear(spec, results, tp):
                    "needs its rows of gate_proj AND its rows of up_proj, so silu(gate) * up pairs up on the rank")
         elif _near(got, torch.cat([u[:rows], g[:rows]])):
             bad = "rank 0 holds [up | gate]: shard_id 0 is gate_proj and goes first, shard_id 1 is up_proj"
-        elif _shape(got) == (2 * I, E // tp):
+        elif tp > 1 and _shape(got) == (2 * I, E // tp):
             bad += "; yours keeps every row and a slice of the columns: sharded on the wrong dimension (dim 1)"
         elif tp > 1 and _near(got, torch.cat([t[:, :E // tp].reshape(rows, E) for t in (g, u)])):
             bad = ("rank 0 holds gate's and up's first E / tp input columns (dim 1), reshaped into rows: the "
@@ -131,6 +171,8 @@ def diagnose_gate_up_linear(spec, results, tp):
          "parallel needs no collective, the next (row-parallel) layer takes this rank's slice"),
         ("reduced", [sum(out)] * tp, "summed over ranks: column parallel needs no all-reduce, each rank keeps its "
          "own output features"),
+        ("activated", [F.silu(o[:, :rows]) * o[:, rows:] for o in out], "returned silu(gate) * up: return the fused "
+         "[gate | up] output, (T, 2 * I / tp); the MLP applies the activation to it"),
     ])
 
 
@@ -145,7 +187,8 @@ def diagnose_qkv_linear(spec, results, tp):
         return [torch.cat([rows(a, r * nh, nh), rows(b_, group * nkv, nkv), rows(c, group * nkv, nkv)])
                 for a, b_, c in ((q, k, v), (bq, bk, bv))]
     right = [fused(r, r // reps) for r in range(tp)]
-    bad = _check_param(results, "weight", [w for w, _ in right], "rows [q heads | k heads | v heads] of this rank")
+    bad = _check_param(results, "weight", [w for w, _ in right], "rows [q heads | k heads | v heads] of this rank",
+                       {"q_proj": q, "k_proj": k, "v_proj": v})
     if bad and reps > 1:
         for r, res in enumerate(results):
             got = res["params"].get("weight")
@@ -160,7 +203,8 @@ def diagnose_qkv_linear(spec, results, tp):
         if _near(res["params"].get("weight"), swapped[0]):
             return False, (f"rank {r} holds [q | v | k]: the k and v rows are swapped. shard_id 'k' goes right after "
                            "the q rows and 'v' last, the order in which attention splits the fused output")
-    bad = bad or _check_param(results, "bias", [b for _, b in right], "this rank's q | k | v bias")
+    bad = bad or _check_param(results, "bias", [b for _, b in right], "this rank's q | k | v bias",
+                              {"q_proj.bias": bq, "k_proj.bias": bk, "v_proj.bias": bv}, "entry")
     if bad or "out" not in results[0]:                                      # weights only: stop here
         return not bad, bad or ""
     return _check_output(results, [spec.x @ w.T + b for w, b in right], [])

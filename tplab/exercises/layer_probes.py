@@ -16,7 +16,11 @@ from tplab.models.loader import LazySlice
 E, I, H, H_KV, D, V = 8, 12, 4, 2, 4, 11      # small, unequal sizes: a swapped dimension shows in a shape
 
 
-class ForgotReturn(RuntimeError):
+class NamedMistake(RuntimeError):
+    """A learner's mistake that a probe found and named in its message: ``check_part`` shows the message as it is."""
+
+
+class ForgotReturn(NamedMistake):
     """A part's forward returned None, or something other than the tensor the engine takes (a tuple...)."""
 
 
@@ -91,6 +95,25 @@ def lm_head_spec():
     return Spec((V, E), {}, [("weight", _randn(V, E, seed=15), None)], _randn(3, E, seed=16),
                 returns="the (T, vocab_size) logits, every rank's columns gathered")
 
+
+# check_part's hints for errors raised in these parts: (part or None, words in the error, a tuple: all; the hint)
+LAYER_HINTS = [
+    (None, "cannot take [", "a narrow past the end of the checkpoint tensor: this rank's rows (or columns) start at "
+           "tp_rank * its share (the full size // tp_size), ranks counting from 0"),
+    (None, "exceeds dimension size", "a narrow past the end of this rank's parameter: offsets and sizes inside it are "
+           "this rank's (the full size // tp_size), not the checkpoint's"),
+    (None, "shard: expected shape", "what you copy must have the shape of where it goes: this rank's share, "
+           "loaded.narrow(dim, tp_rank * share, share) with share = the full size // tp_size, into a param laid out "
+           "as the checkpoint, (out, in), not transposed"),
+    (None, "for +: 'Tensor' and 'NoneType'", "self.bias is None when the layer is built with bias=False (o_proj, "
+           "down_proj and gate_up_proj in Qwen2): add it only `if self.bias is not None`"),
+    (None, ("tuple index out of range", "weight_loader"), "the weight_loader loads the bias too, a 1-D tensor "
+           "(param.dim() == 1, no dim 1): handle it on its own"),
+    ("row_linear", "shapes cannot be multiplied", "x is already this rank's features, (T, input_size / tp_size), and "
+                   "self.weight (output_size, input_size / tp_size): y = x @ self.weight.T, x not sliced again"),
+    *((part, "shapes cannot be multiplied", "x is the full (T, input_size) on every rank, and self.weight (this "
+             "rank's rows, input_size): y = x @ self.weight.T") for part in ("gate_up_linear", "qkv_linear")),
+]
 
 SPECS = {"row_linear": row_spec, "gate_up_linear": gate_up_spec, "qkv_linear": qkv_spec,
          "embedding": embedding_spec, "lm_head": lm_head_spec}

@@ -4,6 +4,8 @@
 compares what every rank returns with ``dist.all_reduce`` of the same tensors. ``fn`` may use point-to-point
 messages only (``send``/``recv``/``isend``/``irecv``); a collective is named and refused (one of
 ``torch.distributed`` as it is called, so a rank that calls it alone is not left waiting for the others).
+A right sum must also be the ring's: a rank that sends more than ``2 (world - 1)`` chunks of ``x`` (whole
+tensors round the ring, a star through rank 0, an extra step) is told so.
 
 The inputs say where every value came from: element ``i`` of rank ``r`` is ``8**r + 8**world * i``. A sum
 of them reads back as "which ranks, how many times each, from which position", so a wrong result names
@@ -21,7 +23,9 @@ WORLD_SIZES = (3, 2)        # 3 first: with 2 ranks, "rank + step" and "rank - s
 BASE = 8                    # one octal digit per rank: how many times its value was summed in
 TIMEOUT_S = 60.0            # a ring whose sends and recvs do not pair up waits forever; stop it
 HINT_HANG = ("that never comes. Every send needs a matching recv: send to the right neighbour (rank + 1) % world, "
-             "receive from the left one (rank - 1) % world, the same number of steps on every rank")
+             "receive from the left one (rank - 1) % world, the same number of steps on every rank. A blocking "
+             "dist.send on every rank before its recv waits forever too: dist.isend, then dist.recv, then wait() "
+             "on the isend's request (and on every irecv's before you read its buffer)")
 HINT_ORDER = ("at reduce-scatter step s, send chunk (rank - s) % world and add what arrives into chunk "
               "(rank - s - 1) % world; at all-gather step s, send chunk (rank + 1 - s) % world and copy what "
               "arrives into chunk (rank - s) % world")
@@ -45,14 +49,21 @@ def _in_rank(blob: bytes, case, bound_s=None):
         x = encoded_input(rank, world, case)
     else:
         x = torch.randn(*case, generator=torch.Generator().manual_seed(rank))
-    ref = x.clone()
+    ref, sent = x.clone(), [0]
     dist.all_reduce(ref)
-    with dist_watch.Collectives(refuse=True) as watch:         # torch.distributed's raise at once
+
+    def counted(original):                                     # the values this rank sends, for the ring's volume
+        def send(*args, **kwargs):
+            sent[0] += (args[0] if args else kwargs["tensor"]).numel()
+            return original(*args, **kwargs)
+        return send
+    with dist_watch.patched({"send": counted, "isend": counted}), \
+            dist_watch.Collectives(refuse=True) as watch:     # torch.distributed's collectives raise at once
         fn = dist_watch.load(blob)
         with watch.block() as seen, watchdog.bounded(bound_s):
             out = fn(x.clone())
     used = [op for op, _ in seen if op not in ("send", "recv")]       # tplab's point-to-point is allowed
-    return out, ref, used
+    return out, ref, used, sent[0]
 
 
 def _counts(value: float, i: int, world: int):
@@ -89,6 +100,12 @@ def _diagnose_encoded(out: torch.Tensor, rank: int, world: int) -> str | None:
     full = sorted({chunk_of[i] for i in range(n)} - {chunk_of[i] for i in partial})
     i = partial[0]
     have = [r for r, k in enumerate(counts[i]) if k]
+    if full and full != [(rank + 1) % world] and all(counts[i] == [int(r == rank) for r in range(world)]
+                                                     for i in partial):
+        return (f"chunk {full} holds the sum over all {world} ranks, but chunk {chunk_of[partial[0]]} still holds "
+                "only this rank's own values: what was added into it never reached the tensor you return. "
+                "`chunks[i] = chunks[i] + incoming` makes a new tensor; add in place (chunks[i] += incoming, or "
+                "chunks[i].add_(incoming)) so that the chunks stay views of it")
     if full:
         return (f"only chunk {full} holds the sum over all {world} ranks; chunk {chunk_of[i]} sums ranks {have} "
                 f"only: the all-gather phase is missing (after the reduce-scatter, pass each finished chunk "
@@ -105,10 +122,10 @@ def _called(rank: int, op: str) -> str:
 
 def _judge(world: int, case, per_rank) -> str | None:
     """The first thing wrong with the ranks' results on one case, or None."""
-    for rank, (_, _, used) in enumerate(per_rank):
+    for rank, (_, _, used, _) in enumerate(per_rank):
         if used:
             return _called(rank, used[0])
-    for rank, (out, ref, _) in enumerate(per_rank):
+    for rank, (out, ref, _, _) in enumerate(per_rank):
         where = f"world size {world}, rank {rank}, x of shape {tuple(ref.shape)}"
         wrong = not_a_tensor(out, "a torch.Tensor shaped like x")
         if wrong:
@@ -126,6 +143,13 @@ def _judge(world: int, case, per_rank) -> str | None:
                 return f"{where}: {wrong}"
         elif not torch.allclose(out.float(), ref, rtol=1e-5, atol=1e-5):
             return f"{where}, random values: differs from dist.all_reduce by up to {float((out.float() - ref).abs().max()):.2e}"
+    for rank, (_, ref, _, sent) in enumerate(per_rank):
+        n = ref.numel()
+        if sent > 2 * (world - 1) * -(-n // world):               # the ring's 2 (world - 1) chunks, rounded up
+            return (f"world size {world}, rank {rank}, x of {n} elements: the sum is right, but this rank sent {sent} "
+                    f"values, {sent / n:.2f} times x; the ring sends 2 (world - 1) / world = "
+                    f"{2 * (world - 1) / world:.2f} times x: one chunk (1 / world of x) per step, world - 1 steps of "
+                    "reduce-scatter, then world - 1 of all-gather. Whole tensors, or extra steps, cost more")
     return None
 
 
@@ -190,7 +214,8 @@ def _compare(fn, world_sizes=WORLD_SIZES, timeout=TIMEOUT_S):
         except TimeoutError:
             return False, f"world size {world}: no answer within {timeout:g} s, so a rank waits for a message {HINT_HANG}"
     return True, (f"equal to dist.all_reduce on every rank at world sizes {', '.join(map(str, world_sizes))}, "
-                  "for lengths divisible by the world size and not, and a random (3, 5) tensor")
+                  "for lengths divisible by the world size and not, and a random (3, 5) tensor, each rank sending "
+                  "2 (world - 1) / world of x")
 
 
 def check_ring_all_reduce(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT_S) -> ExerciseResult:

@@ -22,8 +22,14 @@ def reference_mask(q_len: int, k_len: int) -> torch.Tensor:
 def _diagnose(mine: torch.Tensor, ref: torch.Tensor, q_len: int, k_len: int) -> str:
     """Why ``mine`` differs from ``ref``, in words a learner can act on."""
     where = f"q_len={q_len}, k_len={k_len}"
+    if q_len < k_len and torch.equal(mine, torch.ones(q_len, k_len, dtype=torch.bool).tril(q_len - k_len)):
+        return (f"{where}: tril(diagonal=q_len - k_len): the offset's sign is flipped. Query i is at position "
+                f"k_len - q_len + i = {k_len - q_len} + i, so it is tril(diagonal=k_len - q_len)")
     if torch.equal(mine, ~ref):
         return f"{where}: inverted; True must mean *visible* (the keys a query may attend to)"
+    if q_len == k_len and torch.equal(mine, ref.T):
+        return (f"{where}: transposed, the upper triangle: query i sees the keys after it. Rows are the queries, "
+                "columns the keys; query i sees keys j <= its own position (tril)")
     no_offset = torch.ones(q_len, k_len, dtype=torch.bool).tril()
     if q_len < k_len and torch.equal(mine, no_offset):
         return (f"{where}: this is tril() with no offset; the queries are the last q_len of k_len positions, "
@@ -38,15 +44,20 @@ def _diagnose(mine: torch.Tensor, ref: torch.Tensor, q_len: int, k_len: int) -> 
 
 def _dtype_message(mine: torch.Tensor, q_len: int, k_len: int) -> str:
     """What a mask of another dtype than bool does, and how to make it bool."""
-    right = tuple(mine.shape) == (q_len, k_len) and torch.equal(mine != 0, reference_mask(q_len, k_len))
+    ref, fits = reference_mask(q_len, k_len), tuple(mine.shape) == (q_len, k_len)
+    if mine.dtype.is_floating_point and fits and torch.equal(mine == 0, ref) and bool(mine[~ref].isneginf().all()):
+        return (f"dtype {mine.dtype}: an additive mask, 0 where visible and -inf where hidden. Added to the scores "
+                "it works, but return booleans, True where visible, as masked_fill and the engine take them: "
+                "`mask == 0`, or build it by a comparison")
+    right = fits and torch.equal(mine != 0, ref)
     pattern = " Its 1s are in the right places: `.bool()` (or build it by a comparison) is all that is left." \
         if right else ""
-    if mine.dtype.is_floating_point:
+    if mine.dtype.is_floating_point and not bool(mine.isfinite().all()):
         return (f"dtype {mine.dtype}: return booleans. A float mask built by multiplying by -inf is exactly the "
                 f"bug (0 * -inf = NaN); apply bools with masked_fill.{pattern}")
-    return (f"dtype {mine.dtype}: return booleans (torch.bool), True where visible. masked_fill and "
-            f"F.scaled_dot_product_attention refuse an integer mask, and an additive float mask of 0/1 would add 1 "
-            f"to the visible scores instead of hiding the others.{pattern}")
+    return (f"dtype {mine.dtype}: return booleans (torch.bool), True where visible. masked_fill takes only a bool "
+            f"mask, and a 0/1 mask added to the scores as a float mask adds 1 to the visible ones instead of hiding "
+            f"the others.{pattern}")
 
 
 def _compare(fn):
@@ -58,7 +69,9 @@ def _compare(fn):
         if mine.dtype != torch.bool:
             return False, _dtype_message(mine, q_len, k_len)
         if tuple(mine.shape) != (q_len, k_len):
-            return False, f"q_len={q_len}, k_len={k_len}: shape {tuple(mine.shape)}, expected {(q_len, k_len)}"
+            flipped = ": (k_len, q_len), transposed; rows are the queries, columns the keys" \
+                if tuple(mine.shape) == (k_len, q_len) else ""
+            return False, f"q_len={q_len}, k_len={k_len}: shape {tuple(mine.shape)}, expected {(q_len, k_len)}{flipped}"
         ref = reference_mask(q_len, k_len)
         if not torch.equal(mine, ref):
             return False, _diagnose(mine, ref, q_len, k_len)

@@ -39,8 +39,23 @@ def _diagnose(mine: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor, rank:
         dim, right = (1, 0) if kind == "column" else (0, 1)
         return (f"{where}: this is the {other} shard (dim {dim}); nn.Linear.weight is (out_features, "
                 f"in_features), so a {kind}-parallel layer splits dim {right}")
+    dim = 0 if kind == "column" else 1
+    if tuple(mine.shape) == tuple(ref.shape)[::-1] and torch.equal(mine.T, ref):
+        return f"{where}: transposed; return the shard in the weight's own (out_features, in_features) layout, no .T"
+    if tp > 1 and torch.equal(mine, weight):
+        return f"{where}: the whole weight; each rank keeps 1 / tp of dim {dim}"
+    strided = weight[rank::tp] if kind == "column" else weight[:, rank::tp]
+    if tp > 1 and torch.equal(mine, strided):
+        return (f"{where}: every tp-th {'row' if dim == 0 else 'column'} (a stride of tp); a shard is one "
+                f"contiguous block, [rank * size, (rank + 1) * size) of dim {dim}, size = weight.shape[{dim}] // tp")
+    other_rank = next((o for o in range(tp) if o != rank and torch.equal(mine, reference_shard(weight, o, tp, kind))),
+                      None)
+    if other_rank is not None:
+        return (f"{where}: this is rank {other_rank}'s shard; rank r's starts at r * size of dim {dim} (ranks count "
+                "from 0)")
     if tuple(mine.shape) != tuple(ref.shape):
-        return f"{where}: shape {tuple(mine.shape)}, tplab's layer holds {tuple(ref.shape)}"
+        return (f"{where}: shape {tuple(mine.shape)}, tplab's layer holds {tuple(ref.shape)}: dim {dim} is cut in tp "
+                f"pieces of weight.shape[{dim}] // tp = {weight.shape[dim] // tp}, the other dim kept whole")
     if kind == "column":
         cols = weight.shape[1] // tp                     # the student's loader: narrow dim 1, reshape to fit
         if torch.equal(mine, weight.narrow(1, rank * cols, cols).reshape(ref.shape)):
@@ -51,12 +66,26 @@ def _diagnose(mine: torch.Tensor, ref: torch.Tensor, weight: torch.Tensor, rank:
             "(the checker's entry (i, j) is i + j / 100: whole part = row, decimals = column of the full weight)")
 
 
+def _call(fn, weight, rank, tp, kind):
+    """``fn``'s shard, or the message for the error it raised (the stub's NotImplementedError goes on up)."""
+    try:
+        return fn(weight.clone(), rank, tp, kind), None
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        past = ": past the end of the weight; rank r's shard starts at r * size (ranks count from 0), so the " \
+               "last one ends at the dimension's full size" if "exceeds dimension size" in str(e) else ""
+        return None, f"{kind} shard, rank {rank} of tp {tp}: raised {type(e).__name__}: {e}{past}"
+
+
 def _compare(fn):
     weight, count = checker_weight(), 0
     for kind in ("column", "row"):
         for tp in TP_SIZES:
             for rank in range(tp):
-                mine = fn(weight.clone(), rank, tp, kind)
+                mine, error = _call(fn, weight, rank, tp, kind)
+                if error:
+                    return False, error
                 wrong = not_a_tensor(mine)
                 if wrong:
                     return False, wrong

@@ -14,6 +14,8 @@ from tplab.layers.rotary import rotate_half
 # (T, H, D): a general prefill, T == H (a wrong axis still broadcasts), one decode token, one head
 CASES = [(5, 3, 8), (4, 4, 8), (1, 2, 16), (6, 1, 8)]
 TOL = 1e-5
+HEADS_FIRST = ("(H, T, D), HF's layout: tplab keeps tokens first, (T, H, D); give cos/sin a head axis "
+               "(cos[:, None, :]) instead of transposing x")
 
 
 def rope_table(positions: torch.Tensor, head_dim: int, base: float = 10000.0):
@@ -36,6 +38,7 @@ def _known_mistakes(x, cos, sin):
     """name -> (what it computes, what to tell the learner): the ``rope`` bugs' rotations of x, and a sign."""
     def as_bug(apply_rope):                                          # a bug rotates (q, k): x as both
         return apply_rope(x, x, cos, sin)[0]
+    c, s, (x1, x2) = cos[:, None, :], sin[:, None, :], x.chunk(2, -1)
     mistakes = {
         "no rotation": (as_bug(no_rope_apply), "returned x unchanged: no rotation at all (the `no_rope` bug)"),
         "interleaved": (as_bug(rope_layout_apply),
@@ -43,8 +46,17 @@ def _known_mistakes(x, cos, sin):
                         "which pairs x_i with x_{i + D/2} (rotate_half): the `rope_layout` bug"),
         "sign": (x * cos[:, None, :] - rotate_half(x) * sin[:, None, :],
                  "rotates the wrong way: the sign of the sin term is flipped"),
+        "half": (x * c + torch.cat((-x1, x2), -1) * s, "negates the wrong half: rotate_half(x) is cat(-x2, x1), the "
+                 "second half negated and moved first"),
+        "cos twice": (x * c + rotate_half(x) * c, "multiplies both terms by cos: x * cos + rotate_half(x) * sin"),
+        "swapped": (x * s + rotate_half(x) * c, "cos and sin swapped: x * cos + rotate_half(x) * sin"),
     }
+    if x.shape[1] > 1:                                               # x.chunk(2, dim=1): halves of the heads
+        h1, h2 = x.chunk(2, 1)
+        mistakes["heads halves"] = (x * c + torch.cat((-h2, h1), 1) * s, "split x along dim 1, the heads: "
+                                    "rotate_half splits the last dim, head_dim D (x.chunk(2, dim=-1))")
     if x.shape[0] == x.shape[1]:                                     # T == H: (T, D) broadcasts as (1, T, D)
+        mistakes["heads first"] = (hf_reference(x, cos, sin).transpose(0, 1), HEADS_FIRST)   # and fits (H, T, D)
         mistakes["heads axis"] = (as_bug(rope_cos_sin_axis_apply),
                                   "cos/sin (T, D) broadcast against (T, H, D) as (1, T, D), i.e. along the "
                                   "heads axis, not the tokens: give them a head axis, cos[:, None, :]")
@@ -68,6 +80,8 @@ def _run_case(fn, T, H, D, gen):
         return None, FORGOT_RETURN
     if not isinstance(mine, torch.Tensor):
         return "type", f"returned {type(mine).__name__}, expected a torch.Tensor (T, H, D) = {(T, H, D)}"
+    if T != H and tuple(mine.shape) == (H, T, D):
+        return "shape", f"returned {(H, T, D)}: {HEADS_FIRST}"
     if tuple(mine.shape) != (T, H, D):
         return "shape", f"returned {tuple(mine.shape)}, expected {(T, H, D)}: cos/sin broadcast to the wrong shape"
     if mine.dtype != x.dtype:
@@ -79,7 +93,8 @@ def _run_case(fn, T, H, D, gen):
     for expected, why in _known_mistakes(x, cos, sin).values():
         if torch.allclose(mine.float(), expected, atol=TOL):
             return "silent", why
-    return "silent", f"max_abs {err:.1e} against HF"
+    return "silent", (f"max_abs {err:.1e} against HF; it is x * cos + rotate_half(x) * sin, cos and sin as "
+                      "(T, 1, D), rotate_half(x) = cat(-x2, x1) of x's halves along D")
 
 
 def _compare(fn):

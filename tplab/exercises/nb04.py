@@ -44,24 +44,50 @@ def _first_difference(mine: torch.Tensor, k: torch.Tensor, n_rep: int) -> str:
             f"k[{b}, {h // n_rep}, {t}, {d}] = {want:.4g} there")
 
 
+def _shape_mistake(got: tuple, k: tuple, n_rep: int) -> str:
+    """What a wrong shape says about the repeat, or ""."""
+    b, h_kv, t, d = k
+    if got == k:
+        return ": k came back as it is, H_kv heads; repeat each n_rep times"
+    if len(got) == 1:
+        return ": repeat_interleave without dim flattens k; repeat along the heads, dim=1"
+    if got == (b, h_kv, n_rep, t, d):
+        return ": reshape the (B, H_kv, n_rep, T, D) expand to (B, H_kv * n_rep, T, D)"
+    if len(got) == 4 and got[1] != h_kv and got[1] % h_kv == 0 and got[0] == b and got[2:] == (t, d):
+        return f": each head repeated {got[1] // h_kv} times; repeat it n_rep = {n_rep} times (use the argument)"
+    grown = [i for i in range(4) if len(got) == 4 and got[i] == k[i] * n_rep
+             and got[:i] + got[i + 1:] == k[:i] + k[i + 1:]]
+    if grown:
+        return f": repeated along dim {grown[0]} ({'BHTD'[grown[0]]}); the KV heads are dim 1"
+    return ""
+
+
 def _compare(fn):
     for b, h_kv, t, d, n_rep in CASES:
         k = checker_kv(b, h_kv, t, d)
-        mine = fn(k.clone(), n_rep)
+        try:
+            mine = fn(k.clone(), n_rep)
+        except RuntimeError as e:                 # k.view(B, H_kv * n_rep, T, D): a view makes no copies
+            if "is invalid for input of size" not in str(e):
+                raise
+            return False, (f"H_kv={h_kv}, n_rep={n_rep}: raised RuntimeError: {e}. view and reshape only rearrange "
+                           "k's values, they cannot make the n_rep copies: expand (or repeat_interleave) first")
         wrong = not_a_tensor(mine)
         if wrong:
             return False, wrong
         ref = hf_repeat_kv(k, n_rep)
         where = f"H_kv={h_kv}, n_rep={n_rep}"
         if tuple(mine.shape) != tuple(ref.shape):
-            return False, f"{where}: shape {tuple(mine.shape)}, expected (B, H_kv * n_rep, T, D) = {tuple(ref.shape)}"
+            return False, (f"{where}: shape {tuple(mine.shape)}, expected (B, H_kv * n_rep, T, D) = {tuple(ref.shape)}"
+                           f"{_shape_mistake(tuple(mine.shape), tuple(k.shape), n_rep)}")
         if mine.dtype != ref.dtype:
             return False, (f"{where}: returned {mine.dtype}, but k is {ref.dtype}, the dtype the engine's KV cache "
                            "has: keep k's dtype (expand, repeat_interleave and reshape do)")
         if not torch.equal(mine, ref):
             if torch.equal(mine, k.repeat(1, n_rep, 1, 1)):
-                return False, (f"{where}: heads come out as KV heads {_heads(mine)}: that is `repeat`, which tiles "
-                               f"the whole set; query head h reads KV head h // n_rep, so the order must be "
+                return False, (f"{where}: heads come out as KV heads {_heads(mine)}: that is `repeat` (or "
+                               f"torch.cat([k] * n_rep, 1)), which tiles the whole set; query head h reads KV head "
+                               f"h // n_rep, so the order must be "
                                f"{_heads(ref)} (`repeat_interleave`, or expand + reshape)")
             if _heads(mine) != _heads(ref):
                 return False, f"{where}: heads come from KV heads {_heads(mine)}, expected {_heads(ref)}"

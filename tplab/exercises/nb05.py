@@ -5,9 +5,11 @@ with the ``slot_mapping`` that ``tplab.layers.metadata.build_metadata`` computes
 engine, on fixed sequences: a prefill, a decode step, a prompt after a prefix-cache hit,
 block tables in any order.
 """
+import traceback
+
 import torch
 
-from tplab.exercises import FORGOT_RETURN, ExerciseResult, run_checker
+from tplab.exercises import FORGOT_RETURN, ExerciseResult, learner_line, run_checker
 from tplab.layers.metadata import build_metadata
 
 # (block_table, first new position, context length, block_size): the new tokens are
@@ -44,14 +46,45 @@ MISTAKES = [  # (what the usual mistake computes, what it means)
      "included: only this step's new tokens (the positions given) get a slot"),
     (lambda bt, ps, bs: [(p % bs) * bs + bt[p // bs] for p in ps], "block and offset swapped: slot = block * "
      "block_size + offset, with block = block_table[p // block_size] and offset = p % block_size"),
+    (lambda bt, ps, bs: [bt[p // bs] * bs + p for p in ps], "the position p is added, not its offset in its block: "
+     "block_table[p // block_size] * block_size + p % block_size"),
 ]
 
 
-def _why(block_table, positions, block_size, got: list[int]) -> str:
+def _first_wrong(block_table, positions, block_size, got: list[int], want: list[int]) -> str:
+    """No usual mistake matched: the first wrong slot, worked out by the formula."""
+    if len(got) != len(want):
+        return f": {len(got)} slots for {len(positions)} positions; return one slot per position given"
+    shifts = {g - w for g, w in zip(got, want)}
+    if len(shifts) == 1:
+        return (f": every slot is {shifts.pop():+d} from the right one: slot = block_table[p // block_size] * "
+                "block_size + p % block_size, nothing added or taken away")
+    p, g, w = next((p, g, w) for p, g, w in zip(positions, got, want) if g != w)
+    entry, offset = divmod(p, block_size)
+    block, off = divmod(g, block_size)
+    if off == offset and block in block_table:
+        return (f": position {p} is in entry p // block_size = {entry} of block_table, block {block_table[entry]}; "
+                f"your slot {g} is in block {block}, entry {block_table.index(block)}")
+    if block == block_table[entry]:
+        return f": position {p} is at offset p % block_size = {offset} of its block {block}; your slot {g} is at {off}"
+    return (f": position {p}'s slot is block_table[{p} // {block_size}] * {block_size} + {p} % {block_size} = "
+            f"{block_table[entry]} * {block_size} + {offset} = {w}; you gave {g}")
+
+
+def _why(block_table, positions, block_size, got: list[int], want: list[int]) -> str:
     for mistake, why in MISTAKES:
         if got == mistake(block_table, positions, block_size):
             return f": {why}"
-    return ""
+    return _first_wrong(block_table, positions, block_size, got, want)
+
+
+def _index_error(fn, error: IndexError, block_table, positions, block_size) -> str:
+    """An IndexError from the learner's function (a block_table entry past its end, most likely), in words."""
+    line = learner_line(getattr(fn, "__wrapped__", fn), "".join(traceback.format_exception(error)))
+    last = positions[-1]
+    return (f"block_table {block_table}, positions {positions}, block_size {block_size}: raised IndexError: "
+            f"{error}{line}. block_table's entries are 0 to {len(block_table) - 1}: position p's block is entry "
+            f"p // block_size (the last position, {last}, is in entry {last // block_size}), no +1")
 
 
 def _as_slots(got) -> tuple[torch.Tensor | None, str]:
@@ -72,7 +105,10 @@ def _as_slots(got) -> tuple[torch.Tensor | None, str]:
 def _compare(fn):
     for block_table, first, context, block_size in CASES:
         positions = list(range(first, context))
-        got = fn(list(block_table), list(positions), block_size)
+        try:
+            got = fn(list(block_table), list(positions), block_size)
+        except IndexError as e:
+            return False, _index_error(fn, e, block_table, positions, block_size)
         if got is None:
             return False, FORGOT_RETURN
         got, what = _as_slots(got)
@@ -82,7 +118,7 @@ def _compare(fn):
         if got.shape != ref.shape or not torch.equal(got, ref):
             return False, (f"block_table {block_table}, positions {positions}, block_size {block_size}: "
                            f"got {got.tolist()}, build_metadata gives {ref.tolist()}"
-                           f"{_why(block_table, positions, block_size, got.tolist())}")
+                           f"{_why(block_table, positions, block_size, got.tolist(), ref.tolist())}")
     return True, f"{len(CASES)} cases equal build_metadata's slot_mapping"
 
 

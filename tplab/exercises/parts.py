@@ -14,7 +14,6 @@ rank and the learner's line; a rank (or this process) still running the learner'
 ``watchdog.bound_for(timeout)`` is stopped there, and its function and line are named; ranks that
 wait forever in a collective are stopped at ``timeout``.
 """
-import linecache
 import re
 import traceback
 
@@ -23,11 +22,11 @@ import cloudpickle
 from tplab.distributed.launcher import RankError
 from tplab.engine.parts import FIELDS
 from tplab.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, float32_default,
-                             is_stub_error, own_code, solutions, sp_region_probe, watchdog)
+                             is_stub_error, learner_line, solutions, sp_region_probe, watchdog)
 from tplab.exercises.layer_diagnoses import DIAGNOSE
 from tplab.exercises.in_engine import (NEW_TOKENS, aborted_because, engine_acts, engine_config, first_diff, kept_ranks,
                                       reference, serve, worst_share)
-from tplab.exercises.layer_probes import SPECS, ForgotReturn, probe_in_rank, run_probe, spec_of
+from tplab.exercises.layer_probes import LAYER_HINTS, SPECS, NamedMistake, probe_in_rank, run_probe, spec_of
 from tplab.exercises.watchdog import DidNotReturn, call_bounded
 
 LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
@@ -42,7 +41,7 @@ NOTEBOOK = {"embedding": "06", "qkv_linear": "02", "attention": "04", "row_linea
 EXCHANGE = ("moe_dispatch", "moe_combine")
 AFTER_TP = ("sp_norm_region", "pipeline_stage", *EXCHANGE)
 ONE_ROW = " on one row (a decode step of one sequence, the T == 1 that one prompt alone gives)"
-HINTS = [  # (the part it applies to, or None for any; words in an error; what they usually mean)
+HINTS = [  # (the part it applies to, or None for any; words in an error, a tuple: all of them; what they mean)
     *(("attention", words, "if you repeated K/V to the query heads before storing them, the cache (H_kv heads per "
                            "slot) has no room for them: store the KV heads, repeat only for the scores")
       for words in ("cannot be broadcast to indexing result", "must have same slice shapes")),  # [slots] =, index_copy_
@@ -61,21 +60,11 @@ HINTS = [  # (the part it applies to, or None for any; words in an error; what t
                         "away is world rank (pp_rank +/- 1) * tp_size + tp_rank, the same TP rank in that stage"),
     (None, "Received data size doesn't match", "a recv (or a collective) was given a buffer of another size than "
            "the message sent to it, e.g. another dtype: make it the shape and dtype of what is sent"),
+    *LAYER_HINTS,
     (None, "process group has not been initialized", "at TP 1 (in this process) there is no process group: skip "
            "the collective when tp_size == 1, or call tplab.distributed.parallel_state.all_reduce(x, tp_size) / "
            "all_gather(x, tp_size), which do"),
 ]
-
-
-def learner_line(impl, text: str) -> str:
-    """Where in the learner's code a traceback (text) went wrong: ``" in forward, line 12: y = ..."``."""
-    files = {c.co_filename for c in own_code(impl)}
-    hits = [(f, int(n), fn) for f, n, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text) if f in files]
-    if not hits:
-        return ""
-    filename, lineno, function = hits[-1]
-    code = linecache.getline(filename, lineno).strip()
-    return f" in your {function}, line {lineno}" + (f": `{code}`" if code else "")
 
 
 def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
@@ -87,7 +76,7 @@ def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
     stuck = watchdog.from_rank(error) if isinstance(error, RankError) else None
     if stuck:
         return ExerciseResult(name, False, f"{where}, {stuck}")
-    if isinstance(error, ForgotReturn):
+    if isinstance(error, NamedMistake):
         return ExerciseResult(name, False, f"{where}: {error}")
     aborted = aborted_because(error, group)
     if aborted:
@@ -98,27 +87,27 @@ def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
                                            "crash inside native code, or the system's out-of-memory killer)")
     if isinstance(error, RankError):
         last = error.remote_traceback.strip().splitlines()[-1]
-        returned = re.match(r"(?:[\w.]+\.)?ForgotReturn: (.+)", last)     # a probe in the rank: what forward returned
+        returned = re.match(r"(?:[\w.]+\.)?(?:ForgotReturn|NamedMistake): (.+)", last)   # a probe in the rank named it
         if returned:
             return ExerciseResult(name, False, f"{where}, rank {error.rank}: {returned[1]}")
         if last.startswith("NotImplementedError") and learner_line(impl, error.remote_traceback):
             return ExerciseResult(name, None, NOT_DONE)
-        hint = _hints(name, last)
-        return ExerciseResult(name, False, f"{where}, rank {error.rank} raised {last}"
-                                           f"{learner_line(impl, error.remote_traceback)}{hint}")
+        line = learner_line(impl, error.remote_traceback)
+        return ExerciseResult(name, False, f"{where}, rank {error.rank} raised {last}{line}"
+                                           f"{_hints(name, last + line)}")
     if isinstance(error, TimeoutError):
         return ExerciseResult(name, False, f"{where}: the ranks did not finish in time and were all stopped. A "
                               "collective that not every rank reaches waits forever (e.g. an all_reduce inside "
                               "`if tp_rank == 0:`, or a rank that returns before it)")
-    text = "".join(traceback.format_exception(error))
-    hint = _hints(name, str(error))
-    return ExerciseResult(name, False, f"{where}: raised {type(error).__name__}: {error}"
-                                       f"{learner_line(impl, text)}{hint}")
+    line = learner_line(impl, "".join(traceback.format_exception(error)))
+    return ExerciseResult(name, False, f"{where}: raised {type(error).__name__}: {error}{line}"
+                                       f"{_hints(name, str(error) + line)}")
 
 
 def _hints(name: str, text: str) -> str:
     """The ``HINTS`` for part ``name`` whose words are in ``text``, each as ". Hint: ..."."""
-    return "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name) and words in text)
+    return "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name)
+                   and all(w in text for w in ((words,) if isinstance(words, str) else words)))
 
 
 def _describe_diffs(tp, per_rank) -> str | None:

@@ -4,14 +4,19 @@ included); every method's output against the right one and against the usual mis
 the numbers: each method's collectives (``dist_watch``) against SP's own, a reduce-scatter of the padded tokens
 in ``add`` and an all-gather in ``norm_gather``, so an all-reduce that keeps this rank's rows is named, with the
 bytes it sends against a reduce-scatter's."""
+import time
+
 import torch
 import torch.nn.functional as F
 
 from tplab.exercises import FORGOT_RETURN, dist_watch
+from tplab.exercises.layer_probes import NamedMistake
 from tplab.layers.norm import RMSNorm
 
 E = 8                                   # hidden size: small, divisible by every TP size the check runs at
 TOKENS = (5, 1, 8)                      # T: not divisible by 2 or 4, one decode token, divisible by both
+SYNC_S = 15.0                           # after a method, how long a rank waits for the others to end it
+_RUNS = [0]
 
 
 class CountingNorm(RMSNorm):
@@ -57,6 +62,7 @@ def run(blob: bytes) -> list[dict]:
     import torch.distributed as dist
     rank, tp_size = dist.get_rank(), dist.get_world_size()
     out = []
+    _RUNS[0] += 1                                        # the same count in every rank of a group: store keys
     with dist_watch.Collectives() as watch:
         impl = dist_watch.load(blob)
         for num_tokens in TOKENS:
@@ -69,11 +75,65 @@ def run(blob: bytes) -> list[dict]:
             with torch.inference_mode():
                 region = impl(num_tokens, rank, tp_size)
                 for name, call in calls.items():
-                    with watch.block() as seen:
-                        got[name] = call(region)
+                    try:
+                        with watch.block() as seen:
+                            got[name] = call(region)
+                    except Exception as e:               # a method before it may say why (a wrong per_rank...)
+                        why = not isinstance(e, NotImplementedError) and _earlier_problem(got, num_tokens, rank,
+                                                                                           tp_size)
+                        if why:
+                            raise NamedMistake(why) from e
+                        raise
                     ops[name] = sorted(seen)
+                    _arrived(f"sp_region/{_RUNS[0]}/{num_tokens}/{name}", ops[name], name, num_tokens, rank, tp_size)
             out.append({k: _kept(v) for k, v in got.items()} | {"norm_rows": norm.rows, "ops": ops})
     return out
+
+
+def _earlier_problem(got: dict, num_tokens: int, rank: int, tp: int) -> str | None:
+    """In a rank whose method raised: what the methods before it returned wrong, or None."""
+    partials, residual, _ = inputs(num_tokens, tp)
+    got = {k: _kept(v) for k, v in got.items()}
+    why = "local" in got and (_not_tensors(got, rank, tp, num_tokens) or _local_problem(
+        got["local"], residual, rank, tp, num_tokens) or next(filter(None, (_check_add(
+            got, n, partials, residual, rank, tp, num_tokens) for n in ("add_first", "add") if n in got)), None))
+    return f"{why.removeprefix(f'rank {rank}, ')}; the method after it then raised" if why else None
+
+
+def _arrived(key: str, ops: list, name: str, num_tokens: int, rank: int, tp: int) -> None:
+    """Wait (``SYNC_S`` at most) for every rank to end this method: one that ran no collective, or other ones than
+    SP's, while another rank still waits inside the method, is told so in seconds, not at the ranks' timeout."""
+    import torch.distributed.distributed_c10d as c10d
+    store, end = c10d._get_default_store(), time.monotonic() + SYNC_S
+    store.set(f"{key}/{rank}", "1")
+    while not store.check([f"{key}/{r}" for r in range(tp)]):
+        if time.monotonic() > end:
+            if [op for op, _ in ops] == [op for op, _ in _sp_ops(num_tokens, tp)[name]]:
+                return                                   # a right method: the late rank is named by its own watch
+            late = [r for r in range(tp) if not store.check([f"{key}/{r}"])]
+            ran = " + ".join(op for op, _ in ops) or "no collective"
+            raise NamedMistake(f"T = {num_tokens}: rank(s) {late} had not ended {CALLS[name]} after {SYNC_S:g} s, "
+                               f"while rank {rank} ran {ran} in it: a collective waits until every rank calls it, so "
+                               "every rank runs the same collectives in the same order (one inside `if tp_rank == "
+                               "0:`, or one that a rank skips by returning early, waits for ever)")
+        time.sleep(0.005)
+
+
+def _local_problem(local, residual, rank, tp, num_tokens) -> str | None:
+    where = f"rank {rank}, T = {num_tokens} at TP {tp}: local(full)"
+    if local is None:
+        return f"{where} {FORGOT_RETURN}"
+    if _same(local, rows(residual, rank, tp)):
+        return None
+    per_rank, floor = -(-num_tokens // tp), num_tokens // tp
+    if local.shape[0] < per_rank and _same(local, residual[rank * per_rank:(rank + 1) * per_rank]):
+        return (f"{where} gave {local.shape[0]} row(s), past the end of the T tokens: pad them with zero rows to "
+                f"per_rank * tp_size first (F.pad), so that every rank gets per_rank = {per_rank} rows")
+    if num_tokens % tp and _same(local, residual[rank * floor:(rank + 1) * floor]):
+        return (f"{where} gave {local.shape[0]} row(s): per_rank = T // tp_size leaves out T % tp_size tokens; "
+                "per_rank = ceil(T / tp_size) = -(-T // tp_size), the tokens padded with zero rows to that times tp")
+    return (f"{where} must be this rank's rows [r * per_rank, (r + 1) * per_rank) of the tokens padded to a multiple "
+            f"of {tp}")
 
 
 def _same(a, b) -> bool:
@@ -138,6 +198,9 @@ def _check_norm_gather(got, residual, weight, rank, tp, num_tokens) -> str | Non
     if out.shape == (x.shape[0], tp * E):
         return (f"{where} gathered on the hidden dimension ({tuple(out.shape)}): all_gather's dim defaults to -1; "
                 "gather tokens, dim=0")
+    if not _same(out, want) and _same(out, CountingNorm(weight)(x)):
+        return (f"{where} returned this rank's {x.shape[0]} normed rows, not gathered: the next layer needs all T "
+                "tokens on every rank, so all_gather(norm(x), tp_size, dim=0) and drop the padding rows")
     if out.shape[0] > num_tokens and _same(out[:num_tokens], want):
         return f"{where} kept the padding rows ({out.shape[0]} rows for {num_tokens} tokens): drop them after gathering"
     if _same(out, torch.cat([rows(residual, r, tp) for r in range(tp)])[:num_tokens]):
@@ -155,12 +218,17 @@ def _check_norm_gather(got, residual, weight, rank, tp, num_tokens) -> str | Non
     return None
 
 
+def _sp_ops(num_tokens: int, tp: int) -> dict:
+    """Each method's collectives under SP, as (op, bytes put in)."""
+    per_rank = -(-num_tokens // tp)
+    return {"local": [], "add_first": [("reduce_scatter", tp * per_rank * E * 4)],
+            "add": [("reduce_scatter", tp * per_rank * E * 4)], "norm_gather": [("all_gather", per_rank * E * 4)]}
+
+
 def _collective_problem(results, tp) -> str | None:
     """Once the numbers are right: whether each method ran SP's one collective on SP's bytes, largest T first."""
     for i in sorted(range(len(TOKENS)), key=lambda i: -TOKENS[i]):
-        per_rank = -(-TOKENS[i] // tp)
-        want = {"local": [], "add_first": [("reduce_scatter", tp * per_rank * E * 4)],
-                "add": [("reduce_scatter", tp * per_rank * E * 4)], "norm_gather": [("all_gather", per_rank * E * 4)]}
+        want = _sp_ops(TOKENS[i], tp)
         for rank, per_case in enumerate(results):
             for name, right in want.items():
                 if per_case[i]["ops"][name] != right:
@@ -175,7 +243,7 @@ RETURNS = {"local": "this rank's (per_rank, E) rows", "add_first": "the (per_ran
 
 def _not_tensors(got, rank, tp, num_tokens) -> str | None:
     """A method that returned something other than a tensor or None (``run`` keeps its type's name)."""
-    name = next((n for n in RETURNS if isinstance(got[n], str)), None)
+    name = next((n for n in RETURNS if isinstance(got.get(n), str)), None)
     if name is None:
         return None
     return (f"rank {rank}, T = {num_tokens} at TP {tp}: {CALLS[name]} returned a {got[name]}, not a tensor: return only "
@@ -212,13 +280,8 @@ def diagnose(results: list[list[dict]], tp: int) -> tuple[bool, str]:
             why = _not_tensors(got, rank, tp, num_tokens)
             if why:
                 return False, why
-            where = f"rank {rank}, T = {num_tokens} at TP {tp}: local(full)"
-            if got["local"] is None:
-                return False, f"{where} {FORGOT_RETURN}"
-            if not _same(got["local"], rows(residual, rank, tp)):
-                return False, (f"{where} must be this rank's rows [r * per_rank, (r + 1) * per_rank) of the tokens "
-                               f"padded to a multiple of {tp}")
-            why = _check_add(got, "add_first", partials, residual, rank, tp, num_tokens) or \
+            why = _local_problem(got["local"], residual, rank, tp, num_tokens) or \
+                _check_add(got, "add_first", partials, residual, rank, tp, num_tokens) or \
                 _check_add(got, "add", partials, residual, rank, tp, num_tokens) or \
                 _check_norm_gather(got, residual, weight, rank, tp, num_tokens)
             if why:
