@@ -244,6 +244,10 @@ def test_the_region_check_names_a_missing_return_and_a_gather_of_the_wrong_shape
     ok, why = diagnose(results, 2)
     assert ok is False and "rank 1, T = 5 at TP 2: local(full) returned None: did you forget `return`?" in why, why
     results = _region_results(2)
-    results[0][0]["norm_gather"] = results[0][0]["norm_gather"][:3]            # 3 of the 5 tokens
+    results[0][0]["norm_gather"] = results[0][0]["norm_gather"][1:4]          # 3 of the 5 tokens, not its own
     ok, why = diagnose(results, 2)
     assert ok is False and "norm_gather returned shape (3, 8): return the (T, E) = (5, 8) normed tokens" in why, why
+    results = _region_results(2)
+    results[0][0]["norm_gather"] = results[0][0]["norm_gather"][:3]            # rank 0's own 3 rows: not gathered
+    ok, why = diagnose(results, 2)
+    assert ok is False and "norm_gather returned this rank's 3 normed rows, not gathered" in why, why
