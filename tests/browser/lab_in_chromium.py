@@ -231,9 +231,15 @@ def run_all(d):
     d.find_element(By.XPATH, "//div[contains(@class,'lm-Menu-itemLabel') and text()='Run All Cells']").click()
 
 
-def widget_image(cell) -> str:
-    imgs = cell.find_elements(By.CSS_SELECTOR, ".widget-output img, .jupyter-widgets-output-area img")
-    return imgs[0].get_attribute("src") if imgs else ""
+def widget_image(d, index: int) -> str:
+    """The src of the first picture in cell ``index``'s widget output, or "" if none is shown.
+
+    Read in one script call: a redraw replaces the <img>, so an element handle kept between
+    two WebDriver calls can go stale under a slider move."""
+    return d.execute_script(f"""const img = document.querySelector(
+        '.jp-Notebook .jp-Cell[data-windowed-list-index="{index}"] '
+        + ':is(.widget-output, .jupyter-widgets-output-area) img');
+        return img ? img.src : '';""")
 
 
 def test_notebook_01_runs_from_the_ui_and_its_slider_redraws(lab, browser, on_disk):
@@ -251,10 +257,11 @@ def test_notebook_01_runs_from_the_ui_and_its_slider_redraws(lab, browser, on_di
     scroll_to_cell(browser, len(saved) - 1, block="end")
     browser.save_screenshot(str(SHOTS / "01-run-all-done.png"))
 
-    cell = scroll_to_cell(browser, slider_cell)
-    before = wait_for(lambda: widget_image(cell), 30, "the live widget's plot")
+    scroll_to_cell(browser, slider_cell)
+    before = wait_for(lambda: widget_image(browser, slider_cell), 30, "the live widget's plot")
     browser.save_screenshot(str(SHOTS / "01-slider-before.png"))
-    handle = cell.find_element(By.CSS_SELECTOR, ".widget-hslider .noUi-handle")
+    handle = scroll_to_cell(browser, slider_cell).find_element(By.CSS_SELECTOR, ".widget-hslider .noUi-handle")
     handle.send_keys(Keys.ARROW_LEFT)           # layer 1 -> 0
-    wait_for(lambda: widget_image(cell) not in ("", before), 60, "the plot to change after moving the slider")
+    wait_for(lambda: widget_image(browser, slider_cell) not in ("", before), 60,
+             "the plot to change after moving the slider")
     browser.save_screenshot(str(SHOTS / "01-slider-after.png"))
