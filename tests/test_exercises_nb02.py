@@ -168,7 +168,8 @@ class BiasNotLoaded(QKV):
     ("gate_up_linear", UpOverGate, 2, "at TP 1: `weight` rows 0-11 hold up_proj's rows 0-11, expected gate_proj's"),
     ("qkv_linear", HeadsNotRows, 4, "rank 1: `weight` rows 0-3 hold q_proj's rows 1-4, expected q_proj's rows 4-7"),
     ("qkv_linear", KQV, 2, "`weight` rows 0-7 hold k_proj's rows 0-7, expected q_proj's rows 0-7"),
-    ("qkv_linear", BiasNotLoaded, 2, "`bias` entries 0-15 hold no numbers of the checkpoint (not loaded?"),
+    ("qkv_linear", BiasNotLoaded, 2, "`bias` entries 0-15 hold NaN, torch.empty's values (the checker makes them "
+                                     "NaN): the weight_loader never wrote them"),
 ])
 def test_check_part_names_the_notebook_02_parts_mistakes(name, impl, tp, words):
     result = check_part(name, impl, tensor_parallel_size=tp)

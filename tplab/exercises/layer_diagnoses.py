@@ -36,6 +36,9 @@ def _shape(t) -> tuple:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else ()
 
 
+NOT_LOADED, ELSEWHERE = -1, -2       # a row that is all NaN (never written), or found in no checkpoint tensor
+
+
 def _origin(got: torch.Tensor, want: torch.Tensor, sources: dict, unit: str) -> str | None:
     """Where ``got``'s rows (``unit``) come from in the checkpoint tensors ``sources`` ({name: full tensor}), at the
     first row that is not where ``want``'s is: "rows 0-5 hold up_proj's rows 0-5, expected gate_proj's rows 0-5"."""
@@ -43,24 +46,28 @@ def _origin(got: torch.Tensor, want: torch.Tensor, sources: dict, unit: str) -> 
     index = [i for t in sources.values() for i in range(len(t))]
     table = torch.cat([t.reshape(len(t), -1) for t in sources.values()]).float()
 
-    def where(rows):                                   # (row index in table, or -1) for each row of rows
-        hits = (rows.reshape(len(rows), -1).float()[:, None] == table[None]).all(-1)
-        return [int(h.nonzero()[0]) if h.any() else -1 for h in hits]
+    def where(rows):           # for each row of rows: its row index in table, NOT_LOADED or ELSEWHERE
+        flat = rows.reshape(len(rows), -1).float()
+        hits = (flat[:, None] == table[None]).all(-1)
+        return [int(h.nonzero()[0]) if h.any() else NOT_LOADED if r.isnan().all() else ELSEWHERE
+                for h, r in zip(hits, flat)]
     mine, right = where(got), where(want)
     first = next((i for i, (a, b) in enumerate(zip(mine, right)) if a != b), None)
     if first is None:
         return None
     n, units = 1, {"entry": "entries"}.get(unit, unit + "s")
-    while first + n < len(mine) and all(s[first + n] == (s[first] + n if s[first] >= 0 else -1) for s in (mine, right)) \
+    while first + n < len(mine) \
+            and all(s[first + n] == (s[first] + n if s[first] >= 0 else s[first]) for s in (mine, right)) \
             and all(s[first] < 0 or names[s[first + n]] == names[s[first]] for s in (mine, right)):
         n += 1
 
     def say(at):
         return f"{names[at]}'s {units} {index[at]}-{index[at] + n - 1}" if n > 1 else f"{names[at]}'s {unit} {index[at]}"
     span = f"{units} {first}-{first + n - 1}" if n > 1 else f"{unit} {first}"
-    have = "no numbers of the checkpoint (not loaded? torch.empty's values are left)" if mine[first] < 0 else \
-        say(mine[first])
-    return f"{span} hold {have}, expected {say(right[first])}"
+    them, hold = ("them", "hold") if n > 1 else ("it", "holds")
+    have = {NOT_LOADED: f"NaN, torch.empty's values (the checker makes them NaN): the weight_loader never wrote {them}",
+            ELSEWHERE: "numbers that are none of the checkpoint's"}.get(mine[first]) or say(mine[first])
+    return f"{span} {hold} {have}, expected {say(right[first])}"
 
 
 def _check_param(results, name, expected, what, sources=None, unit="row") -> str | None:
@@ -83,6 +90,10 @@ def _check_param(results, name, expected, what, sources=None, unit="row") -> str
             if other is not None:
                 return (f"rank {r}: `{name}` holds rank {other}'s shard, not its own ({what}): start the narrow at "
                         "this rank's offset, tp_rank * the shard's size")
+            if not sources and got.isnan().any():
+                part, it = ("", "it") if got.isnan().all() else ("part of ", "that part")
+                return (f"rank {r}: {part}`{name}` holds NaN, torch.empty's values (the checker makes them NaN): "
+                        f"the weight_loader never wrote {it} ({what})")
             flip = (lambda t: t.T) if unit == "column" else (lambda t: t)
             origin = _origin(flip(got), flip(expected[r]), sources, unit) if sources else None
             return f"rank {r}: `{name}` " + (f"{origin} ({what})" if origin else

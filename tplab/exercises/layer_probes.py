@@ -6,9 +6,11 @@ unmasked, a KV head not replicated, no all-gather), so the checker can name the 
 ``spec_of(name)`` describes the probe of part ``name``; ``run_probe`` runs in each rank (or in this
 process at TP 1); ``DIAGNOSE[name]`` reads every rank's result.
 """
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils import deterministic
 
 from tplab.exercises import FORGOT_RETURN
 from tplab.models.loader import LazySlice
@@ -126,10 +128,27 @@ def spec_of(name: str, one_row: bool = False) -> Spec:
     return replace(spec, x=spec.x[:1]) if one_row else spec
 
 
+@contextlib.contextmanager
+def empty_is_nan():
+    """``torch.empty`` fills with NaN inside (PyTorch's ``fill_uninitialized_memory``, on while deterministic
+    algorithms are): what a part's loader never wrote reads NaN, not whatever the allocator left there, which
+    can be a checkpoint's numbers freed a moment before. ``torch.zeros`` and the like are unchanged."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]
+
+
 def run_probe(impl, spec: Spec, tp_rank: int, tp_size: int, forward: bool = True) -> dict:
     """Build ``impl`` for this rank, load the spec's weights through its ``weight_loader``s, and run
     forward (unless ``forward`` is False: the loaded weights can be judged even if forward fails)."""
-    layer = impl(*spec.args, **spec.kwargs, tp_rank=tp_rank, tp_size=tp_size)
+    with empty_is_nan():
+        layer = impl(*spec.args, **spec.kwargs, tp_rank=tp_rank, tp_size=tp_size)
     for name, full, shard_id in spec.weights:
         param = getattr(layer, name, None)
         if not isinstance(param, torch.Tensor):
