@@ -24,7 +24,8 @@ from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
 from tplab.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tplab.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tplab.layers.moe import FusedMoE, all_to_all_combine, all_to_all_dispatch
+from tplab.layers.moe import FusedMoE
+from tplab.layers.moe_exchange import all_to_all_combine, all_to_all_dispatch
 from tplab.layers.rotary import apply_rotary
 from tplab.models.loader import load_weights
 from tplab.models.pipeline import PipelineStage

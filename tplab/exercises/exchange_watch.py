@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from tplab.exercises import dist_watch
-from tplab.layers.moe import all_to_all_dispatch
+from tplab.layers.moe_exchange import all_to_all_dispatch
 
 X, TOP_K, E, WORLD = 8, 2, 4, 2         # experts, per token, hidden size, ranks: rank r holds experts 4r .. 4r + 3
 CASES = [(5, 3), (4, 0), (1, 1)]        # each rank's tokens: uneven, rank 1 idle (a DP rank with nothing to run),
