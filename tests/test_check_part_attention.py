@@ -114,7 +114,7 @@ class Skeleton(MyAttention):
         out = torch.empty_like(q)
         for b in range(meta.num_seqs):
             s, e = meta.query_start_loc[b], meta.query_start_loc[b + 1]
-            keys, values = (c[meta.seq_kv_slots(b)].transpose(0, 1) for c in (k_cache, v_cache))
+            keys, values = (c[self.slots(meta, b)].transpose(0, 1) for c in (k_cache, v_cache))
             out[s:e] = self.attend(q[s:e].transpose(0, 1), keys, values, meta.visible[b]).transpose(0, 1)
         return out.flatten(1)
 
@@ -122,6 +122,9 @@ class Skeleton(MyAttention):
         k_cache, v_cache = (c.view(-1, *c.shape[2:]) for c in kv_cache)
         k_cache[meta.slot_mapping], v_cache[meta.slot_mapping] = k, v
         return k_cache, v_cache
+
+    def slots(self, meta, b):
+        return meta.seq_kv_slots(b)
 
     def attend(self, q, k, v, visible):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale, enable_gqa=True)
@@ -166,7 +169,30 @@ class OwnKeyHidden(Skeleton):
         return super().attend(q, k, v, torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq - 1))
 
 
+class IsCausal(Skeleton):
+    """SDPA's own causal mask: query i sees keys 0..i, right in a prefill, the first key only at decode."""
+    def attend(self, q, k, v, visible):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+
+
+class WholeBlocks(Skeleton):
+    """Reads every slot of the sequence's blocks, the ones it has not filled too."""
+    def slots(self, meta, b):
+        size = 4                                                          # the probe's block_size
+        return torch.cat([torch.arange(block * size, (block + 1) * size) for block in meta.block_tables[b]])
+
+
+class WholeCache(Skeleton):
+    def slots(self, meta, b):
+        return torch.arange(16)                                           # the probe's 4 blocks x 4 slots
+
+
 @pytest.mark.parametrize("impl, words", [
+    (IsCausal, "decode: a decode query sees only its sequence's first key: is_causal=True in "
+               "F.scaled_dot_product_attention lets query i see keys 0..i"),
+    (WholeBlocks, "Sequence 0 has 5 keys so far (meta.visible[b] is (Lq, Lk) = (5, 5)), but 8 were read: every "
+                  "slot of sequence 0's blocks (2 x 4, also the ones it has not filled) or every sequence's keys"),
+    (WholeCache, "but 16 were read: the whole cache. Read exactly its keys: meta.seq_kv_slots(b)"),
     (SlotOffByOne, "the K cache does not hold sequence 0's keys at the slots of its blocks [2, 0]: they are 1 slot "
                    "later; write them at meta.slot_mapping as it is"),
     (BlocksIndexedBySlot, "A slot counts token rows, not blocks: view each cache (num_blocks, block_size, H_kv, D) as "

@@ -18,15 +18,18 @@ MASKS = {"causal": lambda key, query: key <= query, "none": lambda key, query: k
          "inverted": lambda key, query: key > query, "strict": lambda key, query: key < query}   # True: may attend
 
 
-def _reference(q, k, v, step, *, mask="causal", tiled=False, scale=D ** -0.5, new_only=False) -> torch.Tensor:
+def _reference(q, k, v, step, *, mask="causal", tiled=False, scale=D ** -0.5, new_only=False,
+               top_left=False) -> torch.Tensor:
     """Plain attention for one step: each sequence's new queries over its keys so far (over this step's keys
-    only, when ``new_only``: the cache ignored), (T, H * D); ``mask``: which keys a query sees (``MASKS``)."""
+    only, when ``new_only``: the cache ignored), (T, H * D); ``mask``: which keys a query sees (``MASKS``), with
+    the queries counted from 0, not from their positions, where ``top_left`` (SDPA's ``is_causal``)."""
     rep = (lambda t: t.repeat(H // H_KV, 1, 1)) if tiled else (lambda t: t.repeat_interleave(H // H_KV, 0))
     out = []
     for qb, kb, vb, ql, c in zip(q, k, v, *step):                      # per sequence
         lo = c - ql if new_only else 0                                 # the first key attended
         s = qb[c - ql:c].transpose(0, 1) @ rep(kb[lo:c].transpose(0, 1)).transpose(1, 2) * scale   # (H, Lq, Lk)
-        s = s.masked_fill(~MASKS[mask](torch.arange(lo, c)[None, :], torch.arange(c - ql, c)[:, None]), float("-inf"))
+        queries = torch.arange(ql) if top_left else torch.arange(c - ql, c)
+        s = s.masked_fill(~MASKS[mask](torch.arange(lo, c)[None, :], queries[:, None]), float("-inf"))
         out.append((s.softmax(-1) @ rep(vb[lo:c].transpose(0, 1))).transpose(0, 1).flatten(1))   # (Lq, H * D)
     return torch.cat(out)
 
@@ -89,12 +92,35 @@ def _error_problem(res) -> str | None:
         return (f"{said}. The queries have H = {H} heads, the keys and values H_kv = {H_KV}: each KV head serves "
                 f"H / H_kv = {H // H_KV} query heads (enable_gqa=True in F.scaled_dot_product_attention, or "
                 "repeat_interleave over the heads of the keys and values read from the cache, dim 0 of (H_kv, Lk, D))")
+    keys = _keys_read(sizes, what)
+    if keys:
+        return f"{said}. {keys}"
     blocks = re.search(r"indexing result of shape \[\d+, (\d+), \d+, \d+\]", text)
     if (blocks and int(blocks[1]) == BLOCK) or f"for dimension 0 with size {BLOCKS}" in text:
         return (f"{said}. A slot counts token rows, not blocks: view each cache (num_blocks, block_size, H_kv, D) "
                 "as (num_blocks * block_size, H_kv, D) (kv_cache[0].view(-1, H_kv, D)), then index it with the slots")
     if f"for dimension 0 with size {BLOCKS * BLOCK}" in text:
         return f"{said}. A slot past the cache's last: write at meta.slot_mapping as it is, no + 1"
+    return None
+
+
+def _keys_read(sizes, what: str) -> str | None:
+    """When a mask of (Lq, Lk) met scores over more keys than a sequence has: which keys were read, in words."""
+    if not sizes:
+        return None
+    query_lens, context_lens = STEPS[what == "decode"]
+    read = {}                                                  # a number of keys -> what reads that many
+    for b, table in enumerate(TABLES):
+        read.setdefault(len(table) * BLOCK, []).append(f"every slot of sequence {b}'s blocks ({len(table)} x {BLOCK}, "
+                                                       "also the ones it has not filled)")
+    read.setdefault(sum(context_lens), []).append("every sequence's keys (meta.kv_slots, all of them packed)")
+    read.setdefault(BLOCKS * BLOCK, []).append("the whole cache")
+    got = {int(sizes[1]), int(sizes[2])}
+    for b, lk in enumerate(context_lens):
+        many = next((n for n in got if n != lk and n in read), None)
+        if lk in got and many is not None:
+            return (f"Sequence {b} has {lk} keys so far (meta.visible[b] is (Lq, Lk) = ({query_lens[b]}, {lk})), but "
+                    f"{many} were read: {' or '.join(read[many])}. Read exactly its keys: meta.seq_kv_slots(b)")
     return None
 
 
@@ -117,6 +143,10 @@ def diagnose(res) -> tuple[bool, str]:
          "wants it (to fill scores with -inf, fill where ~visible)"),
         ([_reference(*data, step, mask="strict") for step in STEPS],
          "a query does not see its own key: the query at position i sees keys j <= i (meta.visible[b])"),
+        ([_reference(*data, step, top_left=True) for step in STEPS],
+         "a decode query sees only its sequence's first key: is_causal=True in F.scaled_dot_product_attention "
+         "lets query i see keys 0..i (the mask's top left), right only where every key is new (Lq = Lk); with "
+         "cached keys pass attn_mask=meta.visible[b], where query i sees keys up to Lk - Lq + i"),
         ([_reference(*data, step, tiled=True) for step in STEPS],
          f"query head h reads KV head h % {H_KV}: it must read KV head h // (H / H_kv) (repeat_interleave, "
          "not repeat; or enable_gqa=True)"),
