@@ -72,7 +72,7 @@ def test_bad_prompts_are_refused(llm, prompts, params, msg):
     (dict(max_tokens=True), "max_tokens must be a positive int, got True"),
     (dict(temperature=-0.5), "temperature must be a number >= 0"),
     (dict(temperature="0.7"), "temperature must be a number >= 0"),
-    (dict(temperature=1e-40), "too small to divide the logits by"),
+    (dict(temperature=1e-40), "too small to sample with"),
     (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
     (dict(top_p=None), r"top_p must be a number in \(0, 1\]"),
@@ -84,6 +84,15 @@ def test_bad_prompts_are_refused(llm, prompts, params, msg):
 def test_bad_sampling_params(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kwargs)
+
+
+def test_numpy_numbers_sample_as_the_python_numbers_they_equal(llm):
+    import numpy as np
+    plain = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, max_tokens=6, seed=3)
+    numpy = SamplingParams(temperature=np.float32(0.8), top_k=np.int32(8), top_p=np.float64(0.9),
+                           max_tokens=np.int64(6), seed=np.int64(3))
+    want, got = llm.generate([[1, 2, 3]], plain)[0], llm.generate([[1, 2, 3]], numpy)[0]
+    assert len(got.token_ids) == 6 and got.token_ids == want.token_ids
 
 
 def test_sampling_params_changed_after_they_were_made_are_checked_by_generate(llm):

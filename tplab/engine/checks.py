@@ -22,7 +22,7 @@ def install_finite_check(model: nn.Module) -> list:
     """Forward hooks that raise ``NonFiniteError`` at the first non-finite output; returns the handles.
 
     Each check costs a reduction over the activation, so it is opt-in
-    (``LLM(..., check_finite=True)``); the notebooks turn it on.
+    (``LLM(..., check_finite=True)``); notebook 01 turns it on.
     """
     def check(name):
         def hook(_, __, out):

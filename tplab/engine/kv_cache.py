@@ -26,7 +26,8 @@ def kv_cache_spec(cfg: EngineConfig, num_layers: int | None = None) -> KVCacheSp
 def kv_cache_budget(device: torch.device, num_ranks: int) -> int:
     """Default bytes for one rank's KV cache: on a GPU 90% of the memory still free after the weights (vLLM
     instead takes ``gpu_memory_utilization`` of the total, less weights, activations and graphs); on CPU a
-    tenth of the available RAM shared by the ranks, at most 4 GiB."""
+    tenth of the available RAM shared by the ranks (that RAM also holds the notebook, the browser and every
+    rank's weights), at most 4 GiB per rank (more than the few sequences a CPU serves at once can fill)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)

@@ -121,10 +121,10 @@ class LLM:
             raise ValueError(f"use_tqdm must be True, False or None (a bar when stderr is a terminal), got {use_tqdm!r}")
         dp = self.config.data_parallel_size
         if dp == 1:
-            results = self._call(Worker.generate, token_lists, params, bool(use_tqdm))
+            results = self._call(Worker.generate, token_lists, params, use_tqdm)
         else:               # each DP rank its share, by load; every answer back in prompt order
             shares = split_prompts([len(ids) + p.max_tokens for ids, p in zip(token_lists, params)], dp)
-            answers = self._call_all(Worker.generate, token_lists, params, bool(use_tqdm), shares)
+            answers = self._call_all(Worker.generate, token_lists, params, use_tqdm, shares)
             results = in_prompt_order(self._dp_firsts(answers), shares)
         return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
                 for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
@@ -150,10 +150,10 @@ class LLM:
         return self.generate([self.chat_prompt(messages, system)], sampling_params)[0]
 
     def stats(self) -> dict:
-        """Cache and scheduler counters of rank 0: num_preemptions, prefix_cache_hit_blocks,
-        peak_kv_blocks_used, num_kv_blocks, kv_cache_bytes, ... (cumulative over generate calls). Under data
-        parallelism each counter is summed over the DP ranks (``block_size`` aside), and ``"dp_ranks"`` lists
-        each DP rank's own. Under torchrun every rank must call it then (it gathers)."""
+        """Cache and scheduler counters of rank 0 (under torchrun, of this process's rank): num_preemptions,
+        prefix_cache_hit_blocks, peak_kv_blocks_used, num_kv_blocks, kv_cache_bytes, ... (cumulative over generate
+        calls). Under data parallelism each counter is summed over the DP ranks (``block_size`` aside), and
+        ``"dp_ranks"`` lists each DP rank's own. Under torchrun every rank must call it then (it gathers)."""
         if self.config.data_parallel_size == 1:
             return self._call(Worker.stats)
         ranks = self._dp_firsts(self._call_all(Worker.stats))
@@ -173,7 +173,7 @@ class LLM:
 
     def _call(self, method, *args):
         """``method(worker, *args)`` for this rank's ``Worker`` on every rank (``Worker.generate``, say), or on
-        this process's worker; rank 0's answer."""
+        this process's worker; rank 0's answer (under torchrun, where there is no group, this rank's own)."""
         if self._group is None:
             if self._worker is None:
                 raise RuntimeError(f"this LLM was shut down{self._why_down}; create a new one")

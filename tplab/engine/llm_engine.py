@@ -220,4 +220,4 @@ class LLMEngine:
         if params.greedy:
             return None
         # The same seed on every rank: every rank draws the same token from the same logits.
-        return torch.Generator().manual_seed(params.seed if params.seed is not None else self.cfg.seed + index)
+        return torch.Generator().manual_seed(int(params.seed) if params.seed is not None else self.cfg.seed + index)

@@ -44,15 +44,10 @@ class KVCacheSpec:
                  torch.zeros(shape, dtype=self.dtype, device=device)) for _ in range(self.num_layers)]
 
 
-def kv_cache_bytes(kv_caches) -> int:
-    """Bytes held by a list of per-layer ``(k, v)`` caches."""
-    return sum(t.numel() * t.element_size() for kv in kv_caches for t in kv)
-
-
-def spread(caches: list, layers, num_layers: int) -> list:
-    """The caches of ``layers`` (global layer indices) at their places in a list of ``num_layers``; None
-    for the layers another pipeline stage owns."""
-    placed = [None] * num_layers
+def spread(caches: list, layers) -> list:
+    """The caches of ``layers`` (global layer indices) at their places in a list indexed by global layer index:
+    None for an earlier pipeline stage's layers; the list ends at this stage's last."""
+    placed = [None] * (max(layers, default=-1) + 1)
     for i, kv in zip(layers, caches):
         placed[i] = kv
     return placed
@@ -72,9 +67,8 @@ class ModelRunner:
                                                     # takes the positions the cache lengths give
         self.num_blocks = num_blocks                # the block manager's; a static decode adds a scratch block
         kv_layers = range(spec.num_layers) if kv_layers is None else kv_layers
-        num_layers = max(spec.num_layers, max(kv_layers, default=-1) + 1)
         allocated = num_blocks + (static_decode is not None)
-        self.kv_caches_of = [spread(spec.allocate(allocated, self.device), kv_layers, num_layers)
+        self.kv_caches_of = [spread(spec.allocate(allocated, self.device), kv_layers)
                              for _ in range(num_virtual_engines)]
         self.kv_caches = self.kv_caches_of[0]
         self.metadata = MetadataBuilder(spec.block_size, self.device)
@@ -83,7 +77,9 @@ class ModelRunner:
                        else static_decode(model, self.kv_caches, num_blocks, positions_of))
 
     def kv_cache_bytes(self) -> int:
-        return sum(kv_cache_bytes([kv for kv in caches if kv is not None]) for caches in self.kv_caches_of)
+        """Bytes of every layer's ``(k, v)`` caches, over the batches in flight."""
+        return sum(t.numel() * t.element_size() for caches in self.kv_caches_of for kv in caches if kv is not None
+                   for t in kv)
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence]) -> list[tuple[int, float] | None]:

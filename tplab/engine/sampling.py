@@ -1,18 +1,23 @@
-"""Sampling parameters and the sampler. Every rank holds the same logits and the same
-seeded generators, so every rank picks the same token without a broadcast."""
+"""Sampling parameters and the sampler. Every rank of a TP group holds the same logits and the same
+seeded generators, so every rank picks the same token without a broadcast (under pipeline parallelism
+the last stage samples and broadcasts its tokens: ``tplab.engine.pipeline_loop``)."""
+import numbers
 from dataclasses import dataclass
 
 import torch
 
-MIN_TEMPERATURE = 1e-6    # below it, logits / temperature overflow to inf and the softmax is NaN
+# A floor, as vLLM's 1e-5: below it the top token takes all the mass (greedy in all but name), and far below it
+# (about 1e-37 for logits of 10) logits / temperature overflow fp32 to inf and the softmax is NaN.
+MIN_TEMPERATURE = 1e-6
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)          # True is an int to Python, not to a user
+    """An int (numpy's too), not a bool: True is an int to Python, not to a user."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 @dataclass
@@ -35,8 +40,9 @@ class SamplingParams:
         if not _is_number(self.temperature) or not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0 (0 is greedy), got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature {self.temperature!r} is too small to divide the logits by (they overflow "
-                             f"to inf): use 0 for greedy, or at least {MIN_TEMPERATURE:g}")
+            raise ValueError(f"temperature {self.temperature!r} is too small to sample with (the top token takes all "
+                             f"the mass; far smaller, the logits overflow): use 0 for greedy, or at least "
+                             f"{MIN_TEMPERATURE:g}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
@@ -77,5 +83,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for b, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
             probs = _filtered(logits[b], p).softmax(-1)
+            # the request's generator lives on the CPU (the same draws on every device): so does what it draws from
             tokens[b] = torch.multinomial(probs.cpu(), 1, generator=g).item()
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

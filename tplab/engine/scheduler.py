@@ -55,7 +55,7 @@ class Scheduler:
                 self.running.append(seq)
                 continue
             if self._make_room(seq, queue):
-                bm.may_append(seq)
+                bm.may_append(seq)              # a decode's next slot (a prompt mid-prefill has all its blocks)
                 budget -= self._take(seq, budget)
                 self.running.append(seq)
                 scheduled.append(seq)
@@ -100,7 +100,7 @@ class Scheduler:
         blocks. Returns those that finished."""
         finished = []
         for seq, token in zip(seqs, sampled):
-            seq.num_cached_tokens += seq.num_new_tokens
+            seq.num_cached_tokens += seq.num_new_tokens    # before the reset: at 0 it reads "every uncached token"
             seq.num_scheduled_tokens = 0                # consumed: the next step is scheduled anew
             if token is None:                           # a prompt chunk that is not its last: nothing sampled
                 continue

@@ -3,10 +3,7 @@ everything but the three methods that move blocks (``allocate``, ``may_append``,
 learner's ``MyBlockManager(BlockManagerBase)`` writes. The engine's own is ``tplab.engine.block_manager``."""
 from collections import deque
 
-
-def chain_hash(prev_hash, token_ids):
-    """Key of a full block: its tokens and, through prev_hash, every token before them."""
-    return hash((prev_hash, tuple(token_ids)))
+from tplab.engine.block_manager import chain_hash     # a full block's key: the engine's, so the two caches agree
 
 
 class BlockManagerBase:
