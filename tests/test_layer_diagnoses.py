@@ -82,3 +82,18 @@ def test_torch_empty_gives_nan_only_while_a_part_is_built():
             assert torch.empty(4).isnan().all() and not torch.zeros(4).isnan().any()
             raise RuntimeError("from __init__")
     assert (torch.are_deterministic_algorithms_enabled(), deterministic.fill_uninitialized_memory) == before
+
+
+class PaddingRowsLeftEmpty(Embedding):
+    """Makes its (padded) table with torch.empty and loads the real rows only: the rows past the vocabulary, which
+    must be zeros, hold whatever torch.empty gave."""
+    def __init__(self, num_embeddings, embedding_dim, tp_rank=None, tp_size=None):
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+        self.weight = torch.nn.Parameter(torch.empty(self.weight.shape), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+
+def test_vocabulary_padding_left_to_torch_empty_is_named():
+    ok, why = _diagnose_weights("embedding", PaddingRowsLeftEmpty)     # 11 rows over 2 ranks: rank 1 pads one
+    assert ok is False and why.startswith("rank 1: part of `weight` holds NaN, torch.empty's values") \
+        and "zeros past the real vocabulary" in why, why

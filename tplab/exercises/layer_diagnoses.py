@@ -61,13 +61,16 @@ def _origin(got: torch.Tensor, want: torch.Tensor, sources: dict, unit: str) -> 
             and all(s[first] < 0 or names[s[first + n]] == names[s[first]] for s in (mine, right)):
         n += 1
 
+    them, hold = ("them", "hold") if n > 1 else ("it", "holds")
+    unsourced = {NOT_LOADED: f"NaN, torch.empty's values (the checker makes them NaN): the weight_loader never wrote "
+                             f"{them}", ELSEWHERE: "numbers that are none of the checkpoint's"}
+
     def say(at):
+        if at < 0:
+            return unsourced[at]
         return f"{names[at]}'s {units} {index[at]}-{index[at] + n - 1}" if n > 1 else f"{names[at]}'s {unit} {index[at]}"
     span = f"{units} {first}-{first + n - 1}" if n > 1 else f"{unit} {first}"
-    them, hold = ("them", "hold") if n > 1 else ("it", "holds")
-    have = {NOT_LOADED: f"NaN, torch.empty's values (the checker makes them NaN): the weight_loader never wrote {them}",
-            ELSEWHERE: "numbers that are none of the checkpoint's"}.get(mine[first]) or say(mine[first])
-    return f"{span} {hold} {have}, expected {say(right[first])}"
+    return f"{span} {hold} {say(mine[first])}, expected {say(right[first])}"
 
 
 def _check_param(results, name, expected, what, sources=None, unit="row") -> str | None:
