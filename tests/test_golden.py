@@ -42,3 +42,14 @@ def test_a_reference_is_refused_while_fp32_matmuls_may_round(checkpoint, set_it)
     finally:
         torch.set_float32_matmul_precision("highest")                   # every backend's matmuls: ieee
     golden.hf_activations(checkpoint("untied"), PROMPT)                 # and taken again once it is reset
+
+
+def test_before_torch_2_9_the_one_legacy_setting_is_read(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "matmul", object(), raising=False)   # torch < 2.9: no fp32_precision
+    golden.require_float32_matmuls()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with pytest.raises(RuntimeError, match=r"float32_matmul_precision: medium"):
+            golden.require_float32_matmuls()
+    finally:
+        torch.set_float32_matmul_precision("highest")

@@ -1,4 +1,5 @@
-"""Golden checks: HF Qwen2's own activations, captured with forward hooks, against tplab's.
+"""Golden checks: HF's own model's activations (Qwen2, Qwen3 and their MoE twins), captured with forward hooks,
+against tplab's.
 
 Both models use HF's module names (``model.layers.3.self_attn`` ...), so one list of
 names addresses both. Activations are taken for one prompt in one prefill, as
@@ -34,9 +35,12 @@ def require_float32_matmuls() -> None:
     makes oneDNN multiply fp32 in bf16 on a CPU with AMX (and CUDA in tf32): HF's reference and tplab then
     round the same way and agree to the last bit, so a per-sublayer diff against that reference shows
     nothing while both are far from the fp32 answer (docs/numerics.md says how far)."""
-    set_to = {name: getattr(getattr(torch.backends, name).matmul, "fp32_precision", "none")
-              for name in ("mkldnn", "cuda")}
-    rounded = {name: value for name, value in set_to.items() if value not in ("none", "ieee")}
+    matmul = {name: getattr(getattr(torch.backends, name), "matmul", None) for name in ("mkldnn", "cuda")}
+    if hasattr(matmul["mkldnn"], "fp32_precision"):              # torch >= 2.9: each backend says its own
+        set_to = {name: getattr(m, "fp32_precision", "none") for name, m in matmul.items()}
+    else:                                                          # older torch: one setting for every backend
+        set_to = {"float32_matmul_precision": torch.get_float32_matmul_precision()}
+    rounded = {name: value for name, value in set_to.items() if value not in ("none", "ieee", "highest")}
     if rounded:
         raise RuntimeError(
             f"fp32 matmuls are set to round their inputs ({', '.join(f'{k}: {v}' for k, v in rounded.items())}), "
@@ -130,6 +134,7 @@ def pipeline_activations(model_dir, input_ids: list[int], tensor_parallel_size: 
     the stage that owns it, in forward order; no ``logits`` (the engine computes only the last token's).
     Compare with ``compare({n: ref[n] for n in mine}, mine)``."""
     from tplab.engine.config import engine_config
+    # a step's budget of at least the prompt: one unchunked prefill, so every hook sees all T tokens
     cfg = engine_config(model_dir, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                         bugs=tuple(bugs), parts=parts, max_num_batched_tokens=max(len(input_ids), 16), device="cpu")
     merged = {}

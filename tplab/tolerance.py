@@ -1,4 +1,4 @@
-"""How close tplab must be to Hugging Face's Qwen2, in one place, and why.
+"""How close tplab must be to Hugging Face's own model, in one place, and why.
 
 tplab and HF compute the same sums in another order (other kernels, another split over threads, partial
 sums added across ranks at TP > 1). Each order is exact to the dtype's ``eps`` *relative to the size of the

@@ -30,6 +30,8 @@ def setup(seed: int = 0, solutions: bool | None = None) -> None:
         print("solution mode: every `# Exercise:` cell runs its reference solution")
     random.seed(seed)
     torch.manual_seed(seed)
+    # for tplab's own offline check and the ranks it starts; an HF library imported already has read it (it is
+    # workbook.sh that sets it before Python starts)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging
@@ -68,6 +70,6 @@ class Checks:
             self(f"solution: {result.name}", result.ok is True, "the reference solution passes")
 
     def assert_all(self) -> None:
-        failed = [n for n, ok in self.results.items() if not ok]
+        failed = [n for n, ok in self.results.items() if not ok]   # a cell that failed, then was skipped past
         assert self.results and not failed, f"failed checks: {failed}"
         print(f"all {len(self.results)} checks held")

@@ -8,9 +8,10 @@ class StaleInputsDecode(StaticDecode):
 
     Where it comes from: a graph replays the kernels it recorded on the addresses it recorded, so it reads
     whatever those buffers hold now. Code that builds a step's positions as a fresh tensor (as an eager step
-    does), or fills only the inputs it thinks change, hands the replay the previous step's values. The first
-    decode step is right (its values were there at capture); from the second on, every token is rotated by
-    a stale position and its K/V overwrite the previous token's slot: wrong tokens, no error."""
+    does), or fills only the inputs it thinks change, hands the replay the values those buffers last held:
+    here, the bucket's first step's. That step is right (its values were there at capture); every later step
+    of the bucket rotates its token at that first position and writes its K/V over that one slot: wrong
+    tokens, no error."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

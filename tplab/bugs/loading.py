@@ -43,7 +43,9 @@ class RandomLMHead(UnloadedLMHead):
     states are exact through the final norm; the logits are finite, confident and wrong (a random
     projection of the right hidden state), and nothing raises.
     """
-    SEED, STD, ROWS_PER_SEED = 0, 0.02, 64                          # HF's default initializer_range
+    # STD: HF's default initializer_range. A seed per block of ROWS_PER_SEED rows lets each rank draw only its own
+    # rows and still hold the same matrix at every TP size; 1_000_003 (a prime) keeps two SEEDs' blocks apart.
+    SEED, STD, ROWS_PER_SEED = 0, 0.02, 64
 
     def initial_weight(self) -> torch.Tensor:
         weight = torch.zeros(self.weight.shape, dtype=torch.float32)            # (per_rank, E); padding rows 0

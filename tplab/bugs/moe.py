@@ -33,7 +33,8 @@ class GlobalIdsMoE(FusedMoE):
     and whenever every rank holds every expert (TP 1, TP inside each expert), so it passes those tests; under
     expert parallelism rank 1 runs the tokens routed to experts ``0 .. X / t - 1`` through its own experts, and
     the tokens of its own experts are not run at all. The first MoE block differs from HF by the size of its
-    output, at TP 2 with ``enable_expert_parallel=True`` only."""
+    output, at TP 2 with ``enable_expert_parallel=True`` only. Under data parallelism the received tokens go
+    through ``run_received``, which this part leaves as it is: there it changes nothing."""
 
     def rows_by_expert(self, ids: torch.Tensor):
         for local, _ in enumerate(self.local_experts):

@@ -49,7 +49,8 @@ def rope_cos_sin_axis_apply(q, k, cos, sin):
       h of every token is rotated by token h's angle. Silently wrong.
     - ``T == H != H_kv``: q is rotated as above, and k's multiply raises, except with ``H_kv == 1`` (one KV
       head per rank), where k grows to ``(T, T, D)`` and the KV-cache write raises instead.
-    - any other ``T != H``: a RuntimeError in q's multiply.
+    - any other ``T != H``: a RuntimeError in q's multiply, except with ``H == 1`` (one query head per rank,
+      e.g. the tiny model at TP 4), where q and k both grow to ``(T, T, D)`` and the KV-cache write raises.
     """
     def rotate(x):                                                  # (T, heads, D) * (T, D): tokens vs heads
         return x * cos + rotate_half(x) * sin
@@ -63,8 +64,9 @@ def rope_swallowed_apply(q, k, cos, sin):
     'RoPE 没生效但你以为生效'的情况" (a fallback that swallows RoPE's exception: remove it, or RoPE silently
     does nothing while you believe it works). The rotation inside the ``try`` is
     ``rope_cos_sin_axis_apply``: whenever it raises (or would change a shape), q and k come back unrotated.
-    A one-token decode step rotates correctly, so decode looks fine, while every prompt's keys are cached
-    unrotated: wrong at any TP size, and nothing ever raises.
+    A one-token decode step rotates correctly, so decode looks fine, while a prompt's keys are cached
+    unrotated (or, where ``T == H == H_kv`` and the rotation runs without raising, rotated by the wrong
+    token's angle): wrong at any TP size, and nothing ever raises.
     """
     try:
         q_rot, k_rot = rope_cos_sin_axis_apply(q, k, cos, sin)

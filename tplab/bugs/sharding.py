@@ -64,8 +64,7 @@ class PresizedQKVParallelLinear(QKVParallelLinear):
                  tp_rank=None, tp_size=None):
         super().__init__(hidden_size, head_size, total_num_heads, total_num_kv_heads, bias, tp_rank, tp_size)
         num_heads_local, num_kv_heads_local = self.num_heads, self.num_kv_heads
-        # The student's line: ColumnParallelLinear divides this by tp_size, giving the right local rows...
-        self.output_size = (num_heads_local + 2 * num_kv_heads_local) * self.tp_size * head_size
-        # ...and the global head counts the same arithmetic implies, which the loader checks against.
+        # The student's line: the global head counts taken as the local ones times tp_size, which the loader
+        # checks the checkpoint's tensors against.
         self.total_num_heads = num_heads_local * self.tp_size
         self.total_num_kv_heads = num_kv_heads_local * self.tp_size
