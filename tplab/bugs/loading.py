@@ -4,8 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from tplab.layers.embed_head import ParallelLMHead
-from tplab.models.loader import (LoadReport, checkpoint_files, default_weight_loader, expert_for, expert_targets,
-                                 param_for)
+from tplab.models.loader import LoadReport, checkpoint_files, default_weight_loader, destination, expert_targets
 
 
 class UnloadedLMHead(ParallelLMHead):
@@ -78,10 +77,7 @@ def full_load_per_rank_load(model, model_dir, skip=frozenset()) -> LoadReport:
         elements_read += sum(t.numel() for t in state_dict.values())
         for name, tensor in state_dict.items():
             if name not in skip:
-                expert = expert_for(experts, name) if experts else None
-                param_name, shard_id = param_for(model, name) if expert is None else (expert[0], expert[2])
-                param = params[param_name]
-                expert_id = () if expert is None else (expert[1],)
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id, *expert_id)
+                _, param, args = destination(model, params, experts, name, path)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, *args)
                 names.add(name)
     return LoadReport(names, elements_read)

@@ -142,6 +142,19 @@ def expert_for(targets: dict, name: str) -> tuple[str, int, object] | None:
     return None
 
 
+def destination(model: nn.Module, params: dict, experts: dict, name: str,
+                path: Path) -> tuple[str, nn.Parameter, tuple]:
+    """Checkpoint tensor ``name`` (in file ``path``) -> the parameter's name, the parameter, and what its
+    ``weight_loader`` takes after the tensor: ``(shard_id,)``, an expert's ``(shard_id, expert_id)``. ``params``:
+    ``dict(model.named_parameters())``; ``experts``: ``expert_targets(model)``."""
+    expert = expert_for(experts, name) if experts else None
+    param_name, shard_id = param_for(model, name) if expert is None else (expert[0], expert[2])
+    if param_name not in params:
+        raise CheckpointError(f"unexpected tensor {name} in {path.name}: the model built from "
+                              "config.json has no such parameter (does config.json match the weights?)")
+    return param_name, params[param_name], (shard_id,) if expert is None else (shard_id, expert[1])
+
+
 def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()) -> LoadReport:
     """Fill ``model``'s parameters from the checkpoint in ``model_dir``, each through its ``weight_loader``.
 
@@ -159,16 +172,10 @@ def load_weights(model: nn.Module, model_dir, skip: frozenset[str] = frozenset()
             for name in f.keys():
                 if name in skip:
                     continue
-                expert = expert_for(experts, name) if experts else None
-                param_name, shard_id = param_for(model, name) if expert is None else (expert[0], expert[2])
-                if param_name not in params:
-                    raise CheckpointError(f"unexpected tensor {name} in {path.name}: the model built from "
-                                          "config.json has no such parameter (does config.json match the weights?)")
-                param = params[param_name]
+                param_name, param, args = destination(model, params, experts, name, path)
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                expert_id = () if expert is None else (expert[1],)     # an expert's loader also takes its id
                 try:
-                    loader(param, LazySlice(f.get_slice(name), name, reads=reads), shard_id, *expert_id)
+                    loader(param, LazySlice(f.get_slice(name), name, reads=reads), *args)
                 except WeightShapeError as e:
                     why = (f"{param_name} has no weight_loader, so the whole tensor was copied in as it is: if this "
                            "rank holds a shard of it, set `param.weight_loader = self.weight_loader` in its layer's "
