@@ -100,7 +100,7 @@ class LLM:
 
     @property
     def backend(self) -> str:
-        """The collective backend the ranks use ("nccl" or "gloo"); "none" at TP 1 in-process."""
+        """The collective backend the ranks use ("nccl" or "gloo"); "none" with one rank, in this process."""
         if self._group is not None:
             return self._group.backend
         return dist.get_backend() if dist.is_initialized() else "none"
