@@ -88,8 +88,8 @@ def test_bad_sampling_params(kwargs, msg):
 
 def test_numpy_numbers_sample_as_the_python_numbers_they_equal(llm):
     import numpy as np
-    plain = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, max_tokens=6, seed=3)
-    numpy = SamplingParams(temperature=np.float32(0.8), top_k=np.int32(8), top_p=np.float64(0.9),
+    plain = SamplingParams(temperature=0.75, top_k=8, top_p=0.5, max_tokens=6, seed=3)     # exact in float32
+    numpy = SamplingParams(temperature=np.float32(0.75), top_k=np.int32(8), top_p=np.float32(0.5),
                            max_tokens=np.int64(6), seed=np.int64(3))
     want, got = llm.generate([[1, 2, 3]], plain)[0], llm.generate([[1, 2, 3]], numpy)[0]
     assert len(got.token_ids) == 6 and got.token_ids == want.token_ids

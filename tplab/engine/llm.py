@@ -7,7 +7,6 @@ splits the prompts between the DP ranks and puts every DP rank's answers back in
 ``torchrun`` (a process group already initialised) every rank runs the engine in-process.
 """
 import contextlib
-import numbers
 import sys
 import threading
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from tplab.distributed.launcher import RankGroup
 from tplab.distributed.parallel_state import cdiv
 from tplab.engine.config import check_sendable, engine_config
 from tplab.engine.data_parallel import in_prompt_order, split_prompts
-from tplab.engine.sampling import SamplingParams
+from tplab.engine.sampling import SamplingParams, is_int
 from tplab.engine.worker import Worker
 
 
@@ -32,11 +31,6 @@ class RequestOutput:
     text: str | None           # decoded generated tokens, where the checkpoint has a tokenizer
     logprobs: list[float]      # log-softmax of each generated token under the model
     finish_reason: str         # "stop" (end-of-sequence token) or "length"
-
-
-def _is_id(t) -> bool:
-    """A token id: an int (numpy's too), not a bool."""
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 def load_tokenizer(model_dir):
@@ -231,7 +225,7 @@ class LLM:
 
     def _tokenize(self, prompts):
         prompts = prompts.tolist() if hasattr(prompts, "tolist") else prompts     # a numpy array or a tensor
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_id(prompts[0])):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or of lists of token ids")
@@ -243,11 +237,11 @@ class LLM:
                     raise ValueError(f"{self.config.model} has no tokenizer: pass prompts as lists of token ids")
                 texts.append(p)
                 token_lists.append(self.tokenizer.encode(p))
-            elif isinstance(p, (list, tuple)) and all(map(_is_id, p)):
+            elif isinstance(p, (list, tuple)) and all(map(is_int, p)):
                 texts.append(None)
                 token_lists.append([int(t) for t in p])
             else:
-                wrong = next((t for t in p if not _is_id(t)), p) if isinstance(p, (list, tuple)) else p
+                wrong = next((t for t in p if not is_int(t)), p) if isinstance(p, (list, tuple)) else p
                 raise ValueError(f"prompt {i}: a prompt is a string or a list of int token ids, got "
                                  f"{type(wrong).__name__} {wrong!r:.60}")
             if not token_lists[-1]:

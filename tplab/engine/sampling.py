@@ -11,7 +11,7 @@ import torch
 MIN_TEMPERATURE = 1e-6
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     """An int (numpy's too), not a bool: True is an int to Python, not to a user."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
@@ -35,7 +35,7 @@ class SamplingParams:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first field out of range; ``generate`` checks again (fields can change)."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0 (0 is greedy), got {self.temperature!r}")
@@ -45,11 +45,11 @@ class SamplingParams:
                              f"{MIN_TEMPERATURE:g}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise ValueError(f"top_k must be -1 (all tokens) or a positive int, got {self.top_k!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64):
+        if self.seed is not None and (not is_int(self.seed) or not -2 ** 63 <= self.seed < 2 ** 64):
             raise ValueError(f"seed must be None or an int a torch.Generator takes, in [-2**63, 2**64), "
                              f"got {self.seed!r}")
 

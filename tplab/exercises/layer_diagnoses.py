@@ -39,6 +39,12 @@ def _shape(t) -> tuple:
 NOT_LOADED, ELSEWHERE = -1, -2       # a row that is all NaN (never written), or found in no checkpoint tensor
 
 
+def _never_written(it: str) -> str:
+    """What NaN in a loaded parameter means: the probe builds parts with torch.empty filling NaN
+    (``layer_probes.empty_is_nan``)."""
+    return f"NaN, torch.empty's values (the checker makes them NaN): the weight_loader never wrote {it}"
+
+
 def _origin(got: torch.Tensor, want: torch.Tensor, sources: dict, unit: str) -> str | None:
     """Where ``got``'s rows (``unit``) come from in the checkpoint tensors ``sources`` ({name: full tensor}), at the
     first row that is not where ``want``'s is: "rows 0-5 hold up_proj's rows 0-5, expected gate_proj's rows 0-5"."""
@@ -62,8 +68,7 @@ def _origin(got: torch.Tensor, want: torch.Tensor, sources: dict, unit: str) -> 
         n += 1
 
     them, hold = ("them", "hold") if n > 1 else ("it", "holds")
-    unsourced = {NOT_LOADED: f"NaN, torch.empty's values (the checker makes them NaN): the weight_loader never wrote "
-                             f"{them}", ELSEWHERE: "numbers that are none of the checkpoint's"}
+    unsourced = {NOT_LOADED: _never_written(them), ELSEWHERE: "numbers that are none of the checkpoint's"}
 
     def say(at):
         if at < 0:
@@ -95,8 +100,7 @@ def _check_param(results, name, expected, what, sources=None, unit="row") -> str
                         "this rank's offset, tp_rank * the shard's size")
             if not sources and got.isnan().any():
                 part, it = ("", "it") if got.isnan().all() else ("part of ", "that part")
-                return (f"rank {r}: {part}`{name}` holds NaN, torch.empty's values (the checker makes them NaN): "
-                        f"the weight_loader never wrote {it} ({what})")
+                return f"rank {r}: {part}`{name}` holds {_never_written(it)} ({what})"
             flip = (lambda t: t.T) if unit == "column" else (lambda t: t)
             origin = _origin(flip(got), flip(expected[r]), sources, unit) if sources else None
             return f"rank {r}: `{name}` " + (f"{origin} ({what})" if origin else
