@@ -26,6 +26,19 @@ def test_within_refuses_nan_and_other_shapes():
     assert not tolerance.within(ref + 2 * tolerance.bound(ref), ref)
     assert not tolerance.within(torch.tensor([1.0, float("nan"), 1.0, 1.0]), ref)
     assert not tolerance.within(torch.ones(2, 2), ref)
+    assert tolerance.within(torch.ones(0), torch.ones(0))
+
+
+def test_golden_checks_share_one_distance_and_a_nan_or_inf_is_never_within():
+    """``cmp``, ``compare`` and ``within`` answer alike: a non-finite entry is infinitely far from HF's value,
+    and an empty activation is equal."""
+    ref = torch.tensor([1.0, 3.0, 2.0])
+    for mine in (torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([1.0, float("inf"), 2.0])):
+        [row] = golden.compare({"x": ref}, {"x": mine})
+        assert row.max_abs == float("inf") and row.nonfinite == 1 and not row.ok
+        assert not golden.cmp("x", mine, ref) and not tolerance.within(mine, ref)
+    [row] = golden.compare({"x": torch.ones(0, 4)}, {"x": torch.ones(0, 4)})
+    assert row.ok and golden.cmp("x", torch.ones(0), torch.ones(0), exact=True)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

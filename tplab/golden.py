@@ -175,9 +175,8 @@ def compare(ref: dict[str, torch.Tensor], mine: dict[str, torch.Tensor], dtype=t
         m = mine[name]
         if m.shape != r.shape:
             raise ValueError(f"{name}: shapes differ, mine {tuple(m.shape)} vs reference {tuple(r.shape)}")
-        bad = int((~torch.isfinite(m)).sum())
-        diff = float("inf") if bad else float((m.float() - r.float()).abs().max())
-        rows.append(Diff(name, diff, bad, tolerance.bound(r, dtype)))
+        nonfinite = int((~torch.isfinite(m)).sum())
+        rows.append(Diff(name, tolerance.max_abs(m, r), nonfinite, tolerance.bound(r, dtype)))
     return rows
 
 
@@ -192,13 +191,12 @@ def cmp(name: str, mine: torch.Tensor, ref: torch.Tensor, dtype=torch.float32, e
     """Karpathy-style one-line check: ``name | max_abs | bound | ok``; True when ``mine`` is within
     ``tolerance.bound(ref)`` of ``ref`` (bitwise equal with ``exact=True``, for what is exact on every
     machine: a lookup, a copy, the same ops in the same order)."""
-    mine, ref = mine.detach().float().cpu(), ref.detach().float().cpu()
     if mine.shape != ref.shape:
         print(f"{name} | shapes differ: {tuple(mine.shape)} vs {tuple(ref.shape)} | DIFF")
         return False
-    diff = (mine - ref).abs().max().item() if mine.numel() else 0.0
+    diff = tolerance.max_abs(mine, ref)
     limit = 0.0 if exact else tolerance.bound(ref, dtype)
-    ok = diff <= limit  # NaN compares False, so a NaN never passes
+    ok = diff <= limit
     print(f"{name} | max_abs {diff:.1e} | bound {limit:.0e} | {'ok' if ok else 'DIFF'}")
     return ok
 

@@ -41,9 +41,17 @@ def logprob_bound(logits, dtype=torch.float32) -> float:
     return 2 * RTOL[_dtype(dtype)] * scale
 
 
-def within(mine: torch.Tensor, ref: torch.Tensor, dtype=torch.float32) -> bool:
-    """True when ``mine`` is within ``bound(ref)`` of ``ref`` everywhere (a NaN never is)."""
+def max_abs(mine: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |mine - ref|`` of two tensors of one shape: inf where ``mine`` holds a NaN or an inf (so it is
+    never within a bound), 0 for empty tensors."""
     mine, ref = mine.detach().float().cpu(), ref.detach().float().cpu()
-    if mine.shape != ref.shape:
-        return False
-    return bool((mine - ref).abs().max() <= bound(ref, dtype)) if ref.numel() else True
+    if not mine.numel():
+        return 0.0
+    if not torch.isfinite(mine).all():
+        return float("inf")
+    return float((mine - ref).abs().max())
+
+
+def within(mine: torch.Tensor, ref: torch.Tensor, dtype=torch.float32) -> bool:
+    """True when ``mine`` has ``ref``'s shape and is within ``bound(ref)`` of it everywhere."""
+    return mine.shape == ref.shape and max_abs(mine, ref) <= bound(ref, dtype)
