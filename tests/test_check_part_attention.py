@@ -182,6 +182,12 @@ class WholeBlocks(Skeleton):
         return torch.cat([torch.arange(block * size, (block + 1) * size) for block in meta.block_tables[b]])
 
 
+class WholeBlocksNoMask(WholeBlocks):
+    """Reads every slot of its blocks, then drops the mask that no longer fits."""
+    def attend(self, q, k, v, visible):
+        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True)
+
+
 class WholeCache(Skeleton):
     def slots(self, meta, b):
         return torch.arange(16)                                           # the probe's 4 blocks x 4 slots
@@ -192,6 +198,8 @@ class WholeCache(Skeleton):
                "F.scaled_dot_product_attention lets query i see keys 0..i"),
     (WholeBlocks, "Sequence 0 has 5 keys so far (meta.visible[b] is (Lq, Lk) = (5, 5)), but 8 were read: every "
                   "slot of sequence 0's blocks (2 x 4, also the ones it has not filled) or every sequence's keys"),
+    (WholeBlocksNoMask, "prefill: reads every slot of the sequence's blocks, also the ones it has not filled (zeros), "
+                        "and drops the mask"),
     (WholeCache, "but 16 were read: the whole cache. Read exactly its keys: meta.seq_kv_slots(b)"),
     (SlotOffByOne, "the K cache does not hold sequence 0's keys at the slots of its blocks [2, 0]: they are 1 slot "
                    "later; write them at meta.slot_mapping as it is"),

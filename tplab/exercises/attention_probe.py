@@ -4,6 +4,7 @@ import re
 from traceback import format_exception
 
 import torch
+import torch.nn.functional as F
 
 from tplab.layers.metadata import build_metadata
 from tplab.exercises import learner_line
@@ -19,18 +20,22 @@ MASKS = {"causal": lambda key, query: key <= query, "none": lambda key, query: k
 
 
 def _reference(q, k, v, step, *, mask="causal", tiled=False, scale=D ** -0.5, new_only=False,
-               top_left=False) -> torch.Tensor:
+               top_left=False, whole_blocks=False) -> torch.Tensor:
     """Plain attention for one step: each sequence's new queries over its keys so far (over this step's keys
-    only, when ``new_only``: the cache ignored), (T, H * D); ``mask``: which keys a query sees (``MASKS``), with
-    the queries counted from 0, not from their positions, where ``top_left`` (SDPA's ``is_causal``)."""
+    only, when ``new_only``: the cache ignored; over every slot of its blocks, zeros where none is written yet,
+    when ``whole_blocks``), (T, H * D); ``mask``: which keys a query sees (``MASKS``), with the queries counted
+    from 0, not from their positions, where ``top_left`` (SDPA's ``is_causal``)."""
     rep = (lambda t: t.repeat(H // H_KV, 1, 1)) if tiled else (lambda t: t.repeat_interleave(H // H_KV, 0))
     out = []
-    for qb, kb, vb, ql, c in zip(q, k, v, *step):                      # per sequence
+    for b, (qb, kb, vb, ql, c) in enumerate(zip(q, k, v, *step)):      # per sequence
         lo = c - ql if new_only else 0                                 # the first key attended
-        s = qb[c - ql:c].transpose(0, 1) @ rep(kb[lo:c].transpose(0, 1)).transpose(1, 2) * scale   # (H, Lq, Lk)
+        keys, values = kb[lo:c], vb[lo:c]                              # (Lk, H_kv, D)
+        if whole_blocks:
+            keys, values = (F.pad(x, (0, 0, 0, 0, 0, len(TABLES[b]) * BLOCK - c)) for x in (keys, values))
+        s = qb[c - ql:c].transpose(0, 1) @ rep(keys.transpose(0, 1)).transpose(1, 2) * scale   # (H, Lq, Lk)
         queries = torch.arange(ql) if top_left else torch.arange(c - ql, c)
-        s = s.masked_fill(~MASKS[mask](torch.arange(lo, c)[None, :], queries[:, None]), float("-inf"))
-        out.append((s.softmax(-1) @ rep(vb[lo:c].transpose(0, 1))).transpose(0, 1).flatten(1))   # (Lq, H * D)
+        s = s.masked_fill(~MASKS[mask](torch.arange(lo, lo + len(keys))[None, :], queries[:, None]), float("-inf"))
+        out.append((s.softmax(-1) @ rep(values.transpose(0, 1))).transpose(0, 1).flatten(1))   # (Lq, H * D)
     return torch.cat(out)
 
 
@@ -153,6 +158,9 @@ def diagnose(res) -> tuple[bool, str]:
         ([_reference(*data, step, scale=1.0) for step in STEPS], "the scores are not scaled by 1 / sqrt(head_dim)"),
         ([_reference(*data, step, scale=1.0 / D) for step in STEPS],
          "the scores are scaled by 1 / head_dim: the scale is 1 / sqrt(head_dim) (self.scale)"),
+        ([_reference(*data, step, mask="none", whole_blocks=True) for step in STEPS],
+         "reads every slot of the sequence's blocks, also the ones it has not filled (zeros), and drops the mask: "
+         "read exactly its keys, meta.seq_kv_slots(b), and apply meta.visible[b], the (Lq, Lk) causal mask"),
         ([_reference(*data, step, new_only=True) for step in STEPS],
          "attends only to this step's new keys, not to the cached ones: after writing k, v into the cache, read "
          "sequence b's keys and values back from it at meta.seq_kv_slots(b) (its cached tokens, then this "
