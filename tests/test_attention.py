@@ -1,5 +1,6 @@
 """tplab.layers.attention: the metadata of a mixed step, the default ``attend`` and ``Attention`` against a
 plain per-sequence softmax attention written from the definition."""
+import json
 import sys
 
 import pytest
@@ -142,3 +143,27 @@ def test_the_gpus_decode_path_gives_hf_greedy_tokens_inside_the_engine(checkpoin
         ref = hf_greedy(hf_model(checkpoint("gqa")), prompt, greedy.max_tokens)
         assert out.token_ids == ref[0]
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+
+
+class _CountingAttend(type(sdpa_attend)):
+    """tplab's attend, counting the decode tokens it attends together."""
+    together = 0
+
+    def attend_decodes(self, q, k_cache, v_cache, decode, scale):
+        _CountingAttend.together += q.shape[0]
+        return super().attend_decodes(q, k_cache, v_cache, decode, scale)
+
+
+def test_the_engine_hands_the_decodes_blocks_to_an_attend_that_takes_them_together(checkpoint):
+    """The runner asks the attend for its ``decode_inputs`` before the forward; a plain function is never handed
+    a step, and both give the same tokens."""
+    from tplab import LLM, SamplingParams
+    from tplab.layers.attention import plain_attend
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [[5, 17, 42, 9], [8, 1, 200]]
+    with LLM(checkpoint("gqa"), parts={"attend": _CountingAttend()}) as llm:
+        together = [out.token_ids for out in llm.generate(prompts, greedy)]
+    layers = json.loads((checkpoint("gqa") / "config.json").read_text())["num_hidden_layers"]
+    assert _CountingAttend.together == 2 * 3 * layers, "every decode token (2 sequences, 3 steps) in every layer"
+    with LLM(checkpoint("gqa"), parts={"attend": plain_attend}) as llm:
+        assert [out.token_ids for out in llm.generate(prompts, greedy)] == together

@@ -98,7 +98,7 @@ class LLMEngine:
         spec = kv_cache_spec(cfg, num_layers=len(stage.kv_cache_layers))
         self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
                                   cfg.parts.positions, stage.kv_cache_layers, num_virtual_engines=pp,
-                                  static_decode=static_decode_builder(cfg, self.device))
+                                  static_decode=static_decode_builder(cfg, self.device), attend=cfg.parts.attend)
         # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
         self.schedulers = [self._scheduler() for _ in range(pp)]
         self.scheduler = self.schedulers[0]                                # the only one without PP

@@ -15,7 +15,7 @@ import torch
 
 from tplab.engine.sampling import sample
 from tplab.engine.sequence import Sequence
-from tplab.kernels.decode_blocks import decode_blocks
+from tplab.layers.attention import AttendsDecodesTogether
 from tplab.layers.metadata import MetadataBuilder
 
 
@@ -61,8 +61,10 @@ class ModelRunner:
     (``kv_caches_of[v]``); ``kv_caches[i]`` is layer i's cache of the first, the only one without PP."""
 
     def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions_of=token_positions,
-                 kv_layers=None, num_virtual_engines: int = 1, static_decode=None):
+                 kv_layers=None, num_virtual_engines: int = 1, static_decode=None, attend=None):
         self.model, self.device = model, torch.device(device)
+        self.attend = attend                        # Parts.attend: one that attends a step's decodes together
+                                                    # is handed their blocks, made here before the forward
         self.positions_of = positions_of            # Parts.positions: only checked (a wrong one raises); RoPE
                                                     # takes the positions the cache lengths give
         self.num_blocks = num_blocks                # the block manager's; a static decode adds a scratch block
@@ -99,9 +101,9 @@ class ModelRunner:
         tables = [s.block_table for s in seqs]
         meta = self.metadata.build(query_lens, context_lens, tables, [p for s in seqs for p in self.positions_of(s)],
                                    [s.seq_id for s in seqs])
-        # the decode sequences' blocks as tensors, for an attend that takes a step's decodes together (tplab's);
-        # made before the forward, since on a GPU a tensor made from host data inside it makes the host wait
-        meta.decode = decode_blocks(query_lens, context_lens, tables, self.metadata.block_size, self.device)
+        if isinstance(self.attend, AttendsDecodesTogether):             # tplab's own: the decodes' blocks
+            meta.decode = self.attend.decode_inputs(query_lens, context_lens, tables, self.metadata.block_size,
+                                                    self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.new_token_ids()], device=self.device)   # (T,)
         return input_ids, meta
 

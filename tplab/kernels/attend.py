@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tplab.kernels.paged_decode import dense_decode, one_query_attention, padded_decode, paged_decode
 from tplab.layers.attention import AttendsPaddedDecodes
-from tplab.kernels.decode_blocks import DecodeBlocks, PaddedDecode
+from tplab.kernels.decode_blocks import DecodeBlocks, PaddedDecode, decode_blocks
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)   # absent in old torch
 
@@ -37,6 +37,10 @@ class SdpaAttend(AttendsPaddedDecodes):
         return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                               attn_mask=None if causal else visible, is_causal=causal,
                                               scale=scale, enable_gqa=True)[0]
+
+    def decode_inputs(self, query_lens, context_lens, block_tables, block_size, device) -> DecodeBlocks | None:
+        """The blocks the step's decode sequences hold, as tensors (None when none decodes)."""
+        return decode_blocks(query_lens, context_lens, block_tables, block_size, device)
 
     def attend_step(self, layer, q, kv_cache, meta):
         """Every decode token at once (``attend_decodes``), then each other sequence alone (``layer.attend_each``)."""

@@ -1,6 +1,6 @@
 """Which KV blocks the decode sequences of a step hold, as tensors: what an ``attend`` that attends every decode
 token of a step at once (``tplab.layers.attention.AttendsDecodesTogether``, tplab's ``sdpa_attend``) reads from
-``meta.decode``. The engine builds it once per step from the host's block tables, before the forward
+``meta.decode``, made by its ``decode_inputs`` once per step from the host's block tables, before the forward
 (``ModelRunner.prepare``); a decode step at fixed shapes has a ``PaddedDecode`` there instead.
 
 Shapes: Bd decode sequences, nb blocks they hold in all, bs block_size.

@@ -30,14 +30,20 @@ def plain_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: tor
 
 class AttendsDecodesTogether:
     """An ``attend`` (``Parts.attend``) that takes a whole step, so that it can attend every decode token of
-    it at once over the blocks the decode sequences hold (``meta.decode``, which the engine fills for it:
-    ``tplab.kernels.decode_blocks``): ``Attention`` hands it the step
+    it at once over the blocks the decode sequences hold (``meta.decode``, which the engine fills with what its
+    ``decode_inputs`` makes): ``Attention`` hands it the step
     (``attend_step``) instead of calling it once per sequence, and it hands the sequences it leaves back to
     ``Attention.attend_each``. A plain function is called once per sequence, every sequence."""
 
     def attend_step(self, layer: "Attention", q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                     meta: AttentionMetadata) -> torch.Tensor:
         """q ``(T, H, D)``; ``kv_cache`` the layer's, this step's K/V already written -> ``(T, H, D)``."""
+        raise NotImplementedError
+
+    def decode_inputs(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                      block_size: int, device) -> object:
+        """What ``attend_step`` reads from ``meta.decode``. The engine calls it once a step, before the forward:
+        on a GPU, a tensor made from host data inside the forward makes the host wait for the queued kernels."""
         raise NotImplementedError
 
 
