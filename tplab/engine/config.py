@@ -15,7 +15,7 @@ from tplab.distributed.launcher import check_timeout, pick_backend
 from tplab.engine.parts import Parts, bug_names, resolve
 from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
-from tplab.layers.linear import ReturnsPartialSums
+from tplab.layers.linear import returns_partial_sums
 from tplab.layers.moe import FusedMoE
 from tplab.models.qwen2 import head_dim_of
 from tplab.models.registry import check_dp_size, check_tp_size, has_experts, load_model_config
@@ -250,7 +250,7 @@ def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts, dp_si
         raise ValueError(f"sequence_parallel=True with data_parallel_size={dp_size}: tplab does not compose them "
                          "yet; drop one")
     row = parts.row_linear
-    if sequence_parallel and tp_size > 1 and not (isinstance(row, type) and issubclass(row, ReturnsPartialSums)):
+    if sequence_parallel and tp_size > 1 and not returns_partial_sums(row):
         raise ValueError(f"sequence_parallel=True needs a row_linear that returns partial sums when built with "
                          f"reduce_results=False (a subclass of tplab.layers.linear.ReturnsPartialSums); "
                          f"{row.__qualname__ if isinstance(row, type) else row!r} is not: drop sequence_parallel or that part")

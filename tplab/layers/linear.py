@@ -105,8 +105,7 @@ class QKVParallelLinear(LinearBase):
         check_heads_divisible(total_num_heads, total_num_kv_heads, size)
         self.hidden_size, self.head_size = hidden_size, head_size
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
-        self.num_heads = total_num_heads // size
-        self.num_kv_heads = max(1, total_num_kv_heads // size)
+        self.num_heads, self.num_kv_heads = heads_per_rank(total_num_heads, total_num_kv_heads, size)
         self.num_kv_head_replicas = max(1, size // total_num_kv_heads)
         self.q_size = self.num_heads * head_size        # this rank's query width
         self.kv_size = self.num_kv_heads * head_size    # this rank's key (and value) width
@@ -184,6 +183,17 @@ def valid_tp_sizes(total_num_heads: int, total_num_kv_heads: int, *other_sizes: 
         kv_ok = total_num_kv_heads % tp == 0 if tp <= total_num_kv_heads else tp % total_num_kv_heads == 0
         return total_num_heads % tp == 0 and kv_ok and all(s % tp == 0 for s in other_sizes)
     return [tp for tp in range(1, total_num_heads + 1) if ok(tp)]
+
+
+def heads_per_rank(total_num_heads: int, total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """``(H, H_kv)`` on one rank: its share of the query heads, and of the KV heads, or the one KV head it
+    keeps a replica of when ``tp_size`` exceeds them (as vLLM does)."""
+    return total_num_heads // tp_size, max(1, total_num_kv_heads // tp_size)
+
+
+def returns_partial_sums(part) -> bool:
+    """Whether ``part`` (a ``Parts.row_linear`` or ``Parts.embedding``) declares ``ReturnsPartialSums``."""
+    return isinstance(part, type) and issubclass(part, ReturnsPartialSums)
 
 
 def check_heads_divisible(total_num_heads: int, total_num_kv_heads: int, tp_size: int) -> None:

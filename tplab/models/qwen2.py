@@ -28,7 +28,7 @@ from torch import nn
 
 from tplab.distributed.parallel_state import cdiv, tp_rank_and_size
 from tplab.layers.activation import SiluAndMul
-from tplab.layers.linear import ReturnsPartialSums
+from tplab.layers.linear import heads_per_rank, returns_partial_sums
 from tplab.layers.metadata import AttentionMetadata
 from tplab.layers.norm import RMSNorm
 from tplab.layers.rotary import RotaryEmbedding, rope_settings
@@ -40,15 +40,15 @@ def head_dim_of(config) -> int:
 
 
 def local_head_counts(config, tp_size: int) -> tuple[int, int]:
-    """``(H, H_kv)`` on one rank: its share of the query heads, and of the KV heads, or the one KV head
-    it keeps a replica of when ``tp_size`` exceeds them (as vLLM does)."""
-    return config.num_attention_heads // tp_size, max(1, config.num_key_value_heads // tp_size)
+    """``(H, H_kv)`` on one rank of a model of this config (``tplab.layers.linear.heads_per_rank``)."""
+    return heads_per_rank(config.num_attention_heads, config.num_key_value_heads, tp_size)
 
 
-def row_settings(sequence_parallel: bool) -> dict:
-    """The row-parallel layers' (and the embedding's) extra settings: under sequence parallelism they return
-    partial sums, which are reduce-scattered (the part is ``ReturnsPartialSums``; ``engine.config`` checks)."""
-    return {"reduce_results": False} if sequence_parallel else {}
+def row_settings(partial_sums: bool) -> dict:
+    """The row-parallel layers' (and the embedding's) extra settings: where the caller reduces their partial
+    sums (under sequence parallelism, reduce-scattered), they return them (the part is ``ReturnsPartialSums``;
+    ``engine.config`` checks)."""
+    return {"reduce_results": False} if partial_sums else {}
 
 
 class Qwen2Attention(nn.Module):
@@ -60,6 +60,7 @@ class Qwen2Attention(nn.Module):
                                          config.num_key_value_heads, bias=qkv_bias, tp_rank=tp_rank, tp_size=tp_size)
         self.num_heads, self.num_kv_heads = local_head_counts(config, tp_size)
         self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim   # this rank's widths
         self.o_proj = parts.row_linear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias,
                                        tp_rank=tp_rank, tp_size=tp_size, **row_settings(sequence_parallel))
         theta, _ = rope_settings(config)
@@ -67,8 +68,7 @@ class Qwen2Attention(nn.Module):
         self.attn = parts.attention(self.num_heads, self.num_kv_heads, head_dim, parts.attend)
 
     def forward(self, x, kv_cache, meta: AttentionMetadata):
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)   # (T, H D), (T, H_kv D) twice
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # (T, H D), (T, H_kv D) x2
         q = q.view(-1, self.num_heads, self.head_dim)               # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)            # (T, H_kv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -146,8 +146,7 @@ class Qwen2Model(nn.Module):
         self.tp_rank, self.tp_size, self.sequence_parallel, self.stage = tp_rank, tp_size, sequence_parallel, stage
         self.sp_norm_region = parts.sp_norm_region
         # an embedding that can return its partial lookups is reduce-scattered too; any other is all-reduced
-        self.embed_partial = sequence_parallel and isinstance(parts.embedding, type) and \
-            issubclass(parts.embedding, ReturnsPartialSums)
+        self.embed_partial = sequence_parallel and returns_partial_sums(parts.embedding)
         self.embed_tokens = PPMissingLayer()
         if stage.has_embedding:
             self.embed_tokens = parts.embedding(config.vocab_size, config.hidden_size, tp_rank=tp_rank,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tplab.distributed.parallel_state import all_reduce, dp_rank_and_size
-from tplab.layers.linear import ReturnsPartialSums
+from tplab.layers.linear import returns_partial_sums
 from tplab.layers.moe import ReplicatedLinear, make_expert_params_mapping
 from tplab.models.qwen2 import Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2MLP
 from tplab.models.qwen3 import Qwen3Attention
@@ -52,8 +52,7 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
                                      enable_expert_parallel=enable_expert_parallel, **data_parallel)
         # The shared expert's partial sum joins the experts' before the one all-reduce where its down_proj can
         # hand one back (a ReturnsPartialSums row_linear); another row_linear reduces it, and it is added after.
-        row = parts.row_linear
-        self.shared_partial = sequence_parallel or (isinstance(row, type) and issubclass(row, ReturnsPartialSums))
+        self.shared_partial = sequence_parallel or returns_partial_sums(parts.row_linear)
         shared_size = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = self.shared_expert_gate = None
         if shared_size:
