@@ -59,6 +59,8 @@ def test_metadata_refuses_positions_that_disagree_with_the_cache():
         build_metadata([3], [2], [[0]], 4, "cpu")
     with pytest.raises(ValueError, match="sequence 0 has 9 tokens but 2 blocks of 4 slots"):
         build_metadata([9], [9], [[0, 1]], 4, "cpu")
+    with pytest.raises(ValueError, match=r"one block table per sequence, got \[1, 1\] / \[1, 1\] / \[\[0\]\]"):
+        build_metadata([1, 1], [1, 1], [[0]], 4, "cpu")                 # the second sequence's table missing
 
 
 @pytest.mark.parametrize("lq,lk", [(1, 1), (1, 37), (5, 5), (4, 19), (33, 33)])

@@ -151,7 +151,7 @@ def test_compiled_ops_are_the_eager_parts(checkpoint):
     attention on a step over a cache already holding keys, which writes that layer's cache and no other."""
     from tplab.engine import compiled
     from tplab.engine.probe import load_model
-    from tplab.layers.attention import kv_cache_shape
+    from tplab.layers.attention import cache_shape_of
     from tplab.layers.metadata import build_metadata
     torch.manual_seed(0)
     model = load_model(checkpoint("gqa"))
@@ -163,7 +163,7 @@ def test_compiled_ops_are_the_eager_parts(checkpoint):
     meta = build_metadata([3, 1], [5, 4], [[0], [1]], block_size=8, device="cpu")
     q = torch.randn(4, attn.num_heads, attn.head_dim)
     k, v = (torch.randn(4, attn.num_kv_heads, attn.head_dim) for _ in range(2))
-    shape = kv_cache_shape(type(attn), 2, 8, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    shape = cache_shape_of(type(attn), 2, 8, attn.num_heads, attn.num_kv_heads, attn.head_dim)
     caches = [(torch.randn(shape), torch.randn(shape)) for _ in layers]        # each layer's cache its own
     before = [tuple(c.clone() for c in cache) for cache in caches]
     eager_cache = tuple(c.clone() for c in caches[-1])

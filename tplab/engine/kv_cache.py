@@ -10,7 +10,7 @@ from tplab.distributed.parallel_state import cdiv
 from tplab.engine.config import EngineConfig
 from tplab.engine.model_runner import KVCacheSpec
 from tplab.engine.static_decode import MAX_CONTEXT, graph_memory_bound
-from tplab.layers.attention import kv_cache_shape
+from tplab.layers.attention import cache_shape_of
 from tplab.models.qwen2 import head_dim_of, local_head_counts
 
 
@@ -19,7 +19,7 @@ def kv_cache_spec(cfg: EngineConfig, num_layers: int | None = None) -> KVCacheSp
     ``num_layers`` layers (default: all; a pipeline stage: those it keeps a cache for)."""
     hf = cfg.hf_config
     heads, kv_heads = local_head_counts(hf, cfg.tensor_parallel_size)
-    block_shape = kv_cache_shape(cfg.parts.attention, 1, cfg.block_size, heads, kv_heads, head_dim_of(hf))[1:]
+    block_shape = cache_shape_of(cfg.parts.attention, 1, cfg.block_size, heads, kv_heads, head_dim_of(hf))[1:]
     return KVCacheSpec(num_layers or hf.num_hidden_layers, cfg.block_size, block_shape, cfg.dtype)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from tplab.engine.config import EngineConfig, engine_config
 from tplab.engine.llm_engine import build_model
-from tplab.layers.attention import kv_cache_shape
+from tplab.layers.attention import cache_shape_of
 from tplab.layers.metadata import build_metadata
 from tplab.models.qwen2 import head_dim_of, local_head_counts
 
@@ -47,7 +47,7 @@ class SequenceCache:
         config, device = model.config, next(model.parameters()).device
         heads, kv_heads = local_head_counts(config, model.tp_size)
         attention = type(model.model.layers[0].self_attn.attn)           # the layout its attention part uses
-        shape = kv_cache_shape(attention, 1, max_len, heads, kv_heads, head_dim_of(config))
+        shape = cache_shape_of(attention, 1, max_len, heads, kv_heads, head_dim_of(config))
         dtype = next(model.parameters()).dtype
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                           for _ in model.model.layers]

@@ -125,7 +125,7 @@ class Attention(nn.Module):
         return out                                                  # (T, H, D), the tokens in the order they came
 
 
-def kv_cache_shape(attention: type, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
+def cache_shape_of(attention: type, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
                    head_dim: int) -> tuple[int, ...]:
     """One layer's K (and V) cache shape for the attention part ``attention`` (a class): its own
     ``kv_cache_shape`` when it is an ``Attention`` (which may declare another layout), else tplab's

@@ -68,8 +68,9 @@ def causal_visible(query_len: int, context_len: int, device=None) -> torch.Tenso
 
 
 def _check_lengths(query_lens, context_lens, block_tables, block_size) -> None:
-    if len(query_lens) != len(context_lens) or not query_lens:
-        raise ValueError(f"need one query_len and one context_len per sequence, got {query_lens} / {context_lens}")
+    if not query_lens or not len(query_lens) == len(context_lens) == len(block_tables):
+        raise ValueError(f"need one query_len, one context_len and one block table per sequence, got "
+                         f"{query_lens} / {context_lens} / {block_tables}")
     if any(not 1 <= q <= c for q, c in zip(query_lens, context_lens)):
         raise ValueError(f"each sequence needs 1 <= query_len <= context_len, got {query_lens} / {context_lens}")
     for b, (c, table) in enumerate(zip(context_lens, block_tables)):

@@ -69,8 +69,8 @@ def _cos_sin_table(head_dim: int, max_position: int, base: float, device: str) -
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by the cos/sin of their positions, looked up in a table made once.
 
-    Every layer's RotaryEmbedding shares one table (``max_position x D`` each for cos and
-    sin: 16 MiB at Qwen2.5's 32768 positions), rather than holding a copy per layer.
+    Every layer's RotaryEmbedding shares one table (``max_position x D`` fp32 each for cos and sin:
+    ``2 * 32768 * 64 * 4`` bytes, 16 MiB, for Qwen2.5-0.5B), rather than holding a copy per layer.
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float, apply_fn=apply_rotary):

@@ -12,9 +12,9 @@ compute 1/t of the tokens. A step's T tokens are padded to a multiple of t (zero
 attention sees and which are dropped by every all-gather), so any T works, a single decode included.
 
 ``SequenceParallelNormRegion`` is that region, the engine's ``Parts.sp_norm_region``: one is built per
-step, ``cls(num_tokens, tp_rank, tp_size)``, and the model calls ``add`` after each row-parallel layer
-and ``norm_gather`` before each column-parallel one (``tplab.models.qwen2``). A learner's replacement
-keeps these three methods.
+step, ``cls(num_tokens, tp_rank, tp_size)``, and the model calls ``add`` after each row-parallel layer,
+``norm_gather`` before each column-parallel one, and ``local`` on an embedding that was all-reduced (it keeps
+this rank's tokens; ``tplab.models.qwen2``). A learner's replacement keeps these three methods.
 """
 import torch
 import torch.nn.functional as F
