@@ -119,6 +119,8 @@ def test_qkv_without_kv_replication_fails_with_the_rank_and_line():
     assert result.ok is False and re.search("rank [23] raised", result.message) and "cannot take" in result.message, \
         result.message                                              # ranks 2 and 3 both ask for a third KV head
     assert "line" in result.message
+    assert "k's and v's rows start at (tp_rank // replicas) * kv_size" in result.message, result.message
+    assert "(the full size // tp_size)" not in result.message, result.message     # the general hint misleads here
 
 
 def test_qkv_keeping_the_wrong_kv_head_is_named():

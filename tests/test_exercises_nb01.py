@@ -71,6 +71,13 @@ def test_check_causal_mask_names_an_additive_mask_and_not_the_nan_bug():
     assert "`mask == 0`" in result.message and "0 * -inf" not in result.message, result.message
 
 
+def test_check_causal_mask_names_hfs_additive_mask_of_finfo_min():
+    result = nb01.check_causal_mask(lambda q, k: torch.where(SOLUTION(q, k), 0.0, torch.finfo(torch.float32).min))
+    assert result.ok is False and "0 where visible and a large negative number (HF's finfo.min) where hidden" \
+        in result.message, result.message
+    assert "adds 1 to the visible ones" not in result.message, result.message
+
+
 def test_check_causal_mask_names_a_transposed_mask():
     result = nb01.check_causal_mask(lambda q, k: SOLUTION(q, k).T)                 # (4, 4) first: the upper triangle
     assert result.ok is False and "transposed, the upper triangle" in result.message, result.message

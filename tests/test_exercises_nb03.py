@@ -75,6 +75,7 @@ def _rope(x, cos, sin, rotate=lambda x1, x2: torch.cat((-x2, x1), -1), c=None, s
 
 @pytest.mark.parametrize("fn, words", [
     (lambda x, cos, sin: _rope(x, cos, sin, rotate=lambda x1, x2: torch.cat((-x1, x2), -1)), "negates the wrong half"),
+    (lambda x, cos, sin: _rope(x, cos, sin, rotate=lambda x1, x2: torch.cat((x2, x1), -1)), "without the minus"),
     (lambda x, cos, sin: _rope(x, cos, sin, s=cos), "multiplies both terms by cos"),
     (lambda x, cos, sin: _rope(x, cos, sin, c=sin, s=cos), "cos and sin swapped"),
     (lambda x, cos, sin: x * cos[:, None] + torch.cat((-x.chunk(2, 1)[1], x.chunk(2, 1)[0]), 1) * sin[:, None],
@@ -95,3 +96,4 @@ def test_check_apply_rope_names_a_result_left_in_hfs_heads_first_layout():
     assert result.ok is False and "T=5, H=3, D=8: returned (3, 5, 8): (H, T, D), HF's layout" in result.message
     assert "T=4, H=4, D=8: ran without an error but the numbers are wrong (silent): (H, T, D)" in result.message
     assert "cos/sin broadcast to the wrong shape" not in result.message, result.message
+    assert "errors for some shapes" not in result.message, result.message          # no shape raised

@@ -98,10 +98,15 @@ def lm_head_spec():
                 returns="the (T, vocab_size) logits, every rank's columns gathered")
 
 
-# check_part's hints for errors raised in these parts: (part or None, words in the error, a tuple: all; the hint)
+# check_part's hints for errors raised in these parts: (part or None, words in the error, a tuple: all; the hint).
+# A part's own hint replaces the general one (None) with the same words.
 LAYER_HINTS = [
     (None, "cannot take [", "a narrow past the end of the checkpoint tensor: this rank's rows (or columns) start at "
            "tp_rank * its share (the full size // tp_size), ranks counting from 0"),
+    ("qkv_linear", "cannot take [", "a narrow past the end of the checkpoint tensor: q's rows start at tp_rank * "
+                   "q_size, but with more ranks than KV heads (tp_size > total_num_kv_heads) neighbouring ranks share "
+                   "a KV head, replicas = tp_size // total_num_kv_heads of them: k's and v's rows start at "
+                   "(tp_rank // replicas) * kv_size"),
     (None, "exceeds dimension size", "a narrow past the end of this rank's parameter: offsets and sizes inside it are "
            "this rank's (the full size // tp_size), not the checkpoint's"),
     (None, "shard: expected shape", "what you copy must have the shape of where it goes: this rank's share, "

@@ -45,8 +45,10 @@ def _diagnose(mine: torch.Tensor, ref: torch.Tensor, q_len: int, k_len: int) -> 
 def _dtype_message(mine: torch.Tensor, q_len: int, k_len: int) -> str:
     """What a mask of another dtype than bool does, and how to make it bool."""
     ref, fits = reference_mask(q_len, k_len), tuple(mine.shape) == (q_len, k_len)
-    if mine.dtype.is_floating_point and fits and torch.equal(mine == 0, ref) and bool(mine[~ref].isneginf().all()):
-        return (f"dtype {mine.dtype}: an additive mask, 0 where visible and -inf where hidden. Added to the scores "
+    hidden = mine[~ref] if fits else mine
+    if mine.dtype.is_floating_point and fits and torch.equal(mine == 0, ref) and bool((hidden <= -1e4).all()):
+        how = "-inf" if bool(hidden.isneginf().all()) else "a large negative number (HF's finfo.min)"
+        return (f"dtype {mine.dtype}: an additive mask, 0 where visible and {how} where hidden. Added to the scores "
                 "it works, but return booleans, True where visible, as masked_fill and the engine take them: "
                 "`mask == 0`, or build it by a comparison")
     right = fits and torch.equal(mine != 0, ref)

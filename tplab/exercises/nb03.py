@@ -48,6 +48,8 @@ def _known_mistakes(x, cos, sin):
                  "rotates the wrong way: the sign of the sin term is flipped"),
         "half": (x * c + torch.cat((-x1, x2), -1) * s, "negates the wrong half: rotate_half(x) is cat(-x2, x1), the "
                  "second half negated and moved first"),
+        "no minus": (x * c + torch.cat((x2, x1), -1) * s, "rotate_half(x) is cat(-x2, x1): without the minus "
+                     "the pairs are not rotated (a rotation by angle t takes (a, b) to (a cos t - b sin t, b cos t + a sin t))"),
         "cos twice": (x * c + rotate_half(x) * c, "multiplies both terms by cos: x * cos + rotate_half(x) * sin"),
         "swapped": (x * s + rotate_half(x) * c, "cos and sin swapped: x * cos + rotate_half(x) * sin"),
     }
@@ -115,7 +117,7 @@ def _compare(fn):
             lines.append(f"{where}: ran without an error but the numbers are wrong (silent): {detail}")
         else:
             lines.append(f"{where}: {detail}")
-    if any(s == "silent" for s, _ in bad.values()) and any(s != "silent" for s, _ in bad.values()):
+    if any(s == "silent" for s, _ in bad.values()) and any(s == "raised" for s, _ in bad.values()):
         lines.append("the same code errors for some shapes and silently broadcasts wrong for others")
     return False, "\n  ".join(lines)
 

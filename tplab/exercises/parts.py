@@ -105,9 +105,12 @@ def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
 
 
 def _hints(name: str, text: str) -> str:
-    """The ``HINTS`` for part ``name`` whose words are in ``text``, each as ". Hint: ..."."""
-    return "".join(f". Hint: {h}" for part, words, h in HINTS if part in (None, name)
-                   and all(w in text for w in ((words,) if isinstance(words, str) else words)))
+    """The ``HINTS`` for part ``name`` whose words are in ``text``, each as ". Hint: ..."; where the part has a
+    hint of its own for some words, the general one for the same words is left out."""
+    found = [(part, words, hint) for part, words, hint in HINTS if part in (None, name)
+             and all(w in text for w in ((words,) if isinstance(words, str) else words))]
+    own = {words for part, words, _ in found if part is not None}
+    return "".join(f". Hint: {hint}" for part, words, hint in found if part is not None or words not in own)
 
 
 def _describe_diffs(tp, per_rank) -> str | None:
