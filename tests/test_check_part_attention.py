@@ -182,6 +182,18 @@ class WholeBlocks(Skeleton):
         return torch.cat([torch.arange(block * size, (block + 1) * size) for block in meta.block_tables[b]])
 
 
+class WritesACopy(Skeleton):
+    """Writes K/V into a copy of the cache and attends over the copy: the engine's cache never sees them."""
+    def write(self, k, v, kv_cache, meta):
+        return (c.view(-1, *c.shape[2:]).index_copy(0, meta.slot_mapping, x) for c, x in zip(kv_cache, (k, v)))
+
+
+class HeadsLast(Skeleton):
+    """Hands SDPA q as (Lq, H, D), as the step packs it, not heads first."""
+    def attend(self, q, k, v, visible):
+        return super().attend(q.transpose(0, 1), k, v, visible).transpose(0, 1)
+
+
 class WholeBlocksNoMask(WholeBlocks):
     """Reads every slot of its blocks, then drops the mask that no longer fits."""
     def attend(self, q, k, v, visible):
@@ -200,6 +212,8 @@ class WholeCache(Skeleton):
                   "slot of sequence 0's blocks (2 x 4, also the ones it has not filled) or every sequence's keys"),
     (WholeBlocksNoMask, "prefill: reads every slot of the sequence's blocks, also the ones it has not filled (zeros), "
                         "and drops the mask"),
+    (WritesACopy, "the cache is still all zeros after the prefill: write into kv_cache's own storage, in place"),
+    (HeadsLast, "Hint: F.scaled_dot_product_attention takes heads first, (H, Lq, D) and (H_kv, Lk, D)"),
     (WholeCache, "but 16 were read: the whole cache. Read exactly its keys: meta.seq_kv_slots(b)"),
     (SlotOffByOne, "the K cache does not hold sequence 0's keys at the slots of its blocks [2, 0]: they are 1 slot "
                    "later; write them at meta.slot_mapping as it is"),

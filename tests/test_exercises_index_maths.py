@@ -26,6 +26,9 @@ CASES = {
         "the end runs past the vocabulary": lambda v, r, tp: (r * ceil(v, tp), (r + 1) * ceil(v, tp)),
         "end is exclusive": lambda v, r, tp: (r * ceil(v, tp), min((r + 1) * ceil(v, tp), v) - 1),
         "its end is its start, never before it": lambda v, r, tp: (r * ceil(v, tp), min((r + 1) * ceil(v, tp), v)),
+        "not how many a rank holds": lambda v, r, tp: (r * ceil(v, tp), ceil(v, tp)),
+        "padded to a multiple of 64 first, as vLLM": lambda v, r, tp: (
+            r * ceil(ceil(v, 64) * 64, tp), min((r + 1) * ceil(ceil(v, 64) * 64, tp), v)),
     }),
 }
 
@@ -85,3 +88,10 @@ def test_vocab_shard_range_says_what_to_return_for_an_int_or_floats():
     assert result.ok is False and "returned int 2048: return (start, end), two ints" in result.message, result.message
     result = nb06.check_vocab_shard_range(lambda v, r, tp: (r * v / tp, min((r + 1) * -(-v // tp), v)))
     assert result.ok is False and "use // (floor division), not /" in result.message, result.message
+
+
+def test_vocab_shard_range_takes_any_empty_range_for_a_rank_of_padding_only():
+    """vocab 10 over 8 ranks: ranks 5-7 hold padding only; (10, 10) says so as well as the engine's (12, 12)."""
+    def clamped(v, r, tp):
+        return min(r * ceil(v, tp), v), min((r + 1) * ceil(v, tp), v)
+    assert nb06.check_vocab_shard_range(clamped).ok is True

@@ -71,7 +71,8 @@ def _expand_without_reshape(k, n):
     (lambda k, n: k, "k came back as it is, H_kv heads"),
     (lambda k, n: k.repeat_interleave(2, 1), "each head repeated 2 times; repeat it n_rep = 3 times"),
     (_expand_without_reshape, "reshape the (B, H_kv, n_rep, T, D) expand to (B, H_kv * n_rep, T, D)"),
-    (lambda k, n: k.view(k.shape[0], k.shape[1] * n, *k.shape[2:]), "they cannot make the n_rep copies: expand")])
+    (lambda k, n: k.view(k.shape[0], k.shape[1] * n, *k.shape[2:]), "they cannot make the n_rep copies: expand"),
+    (lambda k, n: k.expand(k.shape[0], k.shape[1] * n, *k.shape[2:]), "expand only stretches dims of size 1")])
 def test_check_repeat_kv_names_each_usual_mistake(fn, words):
     result = nb04.check_repeat_kv(fn)
     assert result.ok is False and words in result.message, result.message

@@ -67,6 +67,10 @@ def run(impl) -> dict:
 def _cache_problem(res) -> str | None:
     """What is wrong with the cache after the steps that ran, or None."""
     written = STEPS[len(res["outs"]) - 1][1] if res["outs"] else [0] * len(TABLES)   # each sequence's tokens so far
+    if res["outs"] and not any(bool(c.any()) for c in res["cache"]):
+        return ("the cache is still all zeros after the prefill: write into kv_cache's own storage, in place "
+                "(kv_cache[0].view(-1, H_kv, D)[meta.slot_mapping] = k), not into a copy (.clone(), torch.cat, "
+                "index_copy without its _)")
     for cache, x, what in zip(res["cache"], "kv", ("keys", "values")):
         flat = cache.flatten(0, 1)                                       # (slots, H_kv, D)
         for b, table in enumerate(TABLES):

@@ -68,10 +68,14 @@ def _compare(fn):
         try:
             mine = fn(k.clone(), n_rep)
         except RuntimeError as e:                 # k.view(B, H_kv * n_rep, T, D): a view makes no copies
-            if "is invalid for input of size" not in str(e):
-                raise
-            return False, (f"H_kv={h_kv}, n_rep={n_rep}: raised RuntimeError: {e}. view and reshape only rearrange "
-                           "k's values, they cannot make the n_rep copies: expand (or repeat_interleave) first")
+            said = f"H_kv={h_kv}, n_rep={n_rep}: raised RuntimeError: {e}."
+            if "is invalid for input of size" in str(e):
+                return False, (f"{said} view and reshape only rearrange k's values, they cannot make the n_rep "
+                               "copies: expand (or repeat_interleave) first")
+            if "expanded size of the tensor" in str(e):   # k.expand(B, H_kv * n_rep, T, D)
+                return False, (f"{said} expand only stretches dims of size 1: give k one first, k[:, :, None] "
+                               "(B, H_kv, 1, T, D), expand that to (B, H_kv, n_rep, T, D), then reshape")
+            raise
         wrong = not_a_tensor(mine)
         if wrong:
             return False, wrong

@@ -45,6 +45,9 @@ HINTS = [  # (the part it applies to, or None for any; words in an error, a tupl
     *(("attention", words, "if you repeated K/V to the query heads before storing them, the cache (H_kv heads per "
                            "slot) has no room for them: store the KV heads, repeat only for the scores")
       for words in ("cannot be broadcast to indexing result", "must have same slice shapes")),  # [slots] =, index_copy_
+    ("attention", "must divide the number of heads in", "F.scaled_dot_product_attention takes heads first, "
+                  "(H, Lq, D) and (H_kv, Lk, D): q[start:end] and the cache's rows are (L, heads, D), transpose(0, 1) "
+                  "them, and the output back"),
     (None, "itensor_view_from_dense", "oneDNN got a tensor of another dtype than the model's: a part returned, "
            "or made, float64 (or another dtype); keep x's dtype (dtype=x.dtype, or .to(x.dtype))"),
     (None, "to have the same dtype", "two tensors of different dtypes met: a part returned, or made, another dtype "
