@@ -1,7 +1,7 @@
 """Notebook 04 (the GQA KV cache): repeat the KV heads for the score computation.
 
 ``repeat_kv(k, n_rep)``: k ``(B, H_kv, T, D)`` -> ``(B, H_kv * n_rep, T, D)`` where query head
-``h`` reads KV head ``h // n_rep``: each KV head is copied ``n_rep`` times *in place*
+``h`` reads KV head ``h // n_rep``: each KV head is copied ``n_rep`` times next to itself
 (heads 0, 0, 1, 1, ...), not the whole set tiled (0, 1, 0, 1, ...). Checked against HF's
 ``transformers.models.qwen2.modeling_qwen2.repeat_kv``.
 """
