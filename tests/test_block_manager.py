@@ -85,22 +85,28 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
 
 
 def test_scheduler_preempts_newest_and_loses_nothing():
-    bm = BlockManager(num_blocks=4, block_size=2)
+    """Four one-block prompts in 5 blocks: the decodes run out of blocks, and the newest running sequence is
+    preempted each time (vLLM's order), back to the front of the queue, with every block accounted for."""
+    bm = BlockManager(num_blocks=5, block_size=2)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
-    seqs = [seq(i, [i + 1, i + 2]) for i in range(3)]       # 1 block each
+    seqs = [seq(i, [i + 1, i + 2]) for i in range(4)]       # 1 block each
     for s in seqs:
         sched.add(s)
-    assert sched.schedule() == seqs                         # all three prefill in one step
+    victims, preempt = [], sched._preempt
+    sched._preempt = lambda s: victims.append(s.seq_id) or preempt(s)
+    assert sched.schedule() == seqs                         # all four prefill in one step
     for step in range(6):                                   # decode: each needs a new block every 2 tokens
+        before = len(victims)
         batch = sched.schedule()
         # a running sequence holds exactly the blocks its tokens need, a waiting one none
         assert all(len(s.block_table) == bm.blocks_needed(len(s)) for s in sched.running)
         assert all(s.block_table == [] for s in sched.waiting)
+        if len(victims) > before:                           # the last one preempted waits first in line
+            assert sched.waiting[0].seq_id == victims[-1], (list(sched.waiting), victims)
         for s in batch:
             s.num_cached_tokens = len(s)
             s.token_ids.append(7)
-    assert sched.num_preemptions > 0
-    assert seqs[2] in sched.waiting                         # the newest went back to the queue first
+    assert victims[:2] == [3, 2], victims                   # the newest running sequence goes first
     used = sum(len(s.block_table) for s in sched.running)
     assert used == bm.num_used_blocks                       # no block leaked or double-owned
 

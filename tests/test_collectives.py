@@ -53,28 +53,36 @@ def _shm_against_gloo():
     r, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(r)
     worst = 0.0
-    for shape in [(1, 64), (3, 896), (SLOT_BYTES // 4 + 10,)]:      # the last one goes through gloo
-        for _ in range(20):                                          # reuse both buffers many times
-            x = torch.randn(shape)
-            ref = x.clone()
-            dist.all_reduce(ref)
-            worst = max(worst, (all_reduce(x.clone(), n) - ref).abs().max().item())
-    g = torch.full((2, 3), float(r))
-    gathered = all_gather(g, n, dim=-1)
-    with torch.inference_mode():                # the engine's forward runs in inference mode, a notebook's cell
-        inside = all_reduce(torch.ones(2, 5), n).clone()        # not: the same shape, both ways round
-    sums = [inside, all_reduce(torch.ones(2, 5), n), all_reduce(torch.ones(5, 2).t(), n)]   # the last strided
-    y = torch.randn(8, 12)
-    total = y.clone()
-    dist.all_reduce(total)                                           # gloo's sum; rank r keeps its chunk of it
-    scattered = max((reduce_scatter(y.clone(), n, dim=d) - total.chunk(n, d)[r]).abs().max().item() for d in (0, 1))
-    return worst, gathered, parallel_state._shm_for(torch.zeros(1)) is not None, sums, scattered
+    with parallel_state.count_collectives() as records:              # which path each of tplab's calls took
+        for shape in [(1, 64), (3, 896), (SLOT_BYTES // 4 + 10,)]:  # the last one goes through gloo
+            for _ in range(20):                                      # reuse both buffers many times
+                x = torch.randn(shape)
+                ref = x.clone()
+                dist.all_reduce(ref)
+                worst = max(worst, (all_reduce(x.clone(), n) - ref).abs().max().item())
+        g = torch.full((2, 3), float(r))
+        gathered = all_gather(g, n, dim=-1)
+        with torch.inference_mode():            # the engine's forward runs in inference mode, a notebook's cell
+            inside = all_reduce(torch.ones(2, 5), n).clone()    # not: the same shape, both ways round
+        sums = [inside, all_reduce(torch.ones(2, 5), n), all_reduce(torch.ones(5, 2).t(), n)]   # the last strided
+        y = torch.randn(8, 12)
+        total = y.clone()
+        dist.all_reduce(total)                                       # gloo's sum; rank r keeps its chunk of it
+        scattered = max((reduce_scatter(y.clone(), n, dim=d) - total.chunk(n, d)[r]).abs().max().item()
+                        for d in (0, 1))
+    paths = sorted({(rec.op, rec.shape, rec.path) for rec in records})
+    return worst, gathered, paths, sums, scattered
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_shared_memory_collectives_match_gloo(tp):
-    for worst, gathered, used, sums, scattered in launch(_shm_against_gloo, tp, timeout=120):
-        assert used and worst < 1e-5 and scattered < 1e-5
+    from tplab.distributed.shm_comm import SLOT_BYTES
+    for worst, gathered, paths, sums, scattered in launch(_shm_against_gloo, tp, timeout=120):
+        assert worst < 1e-5 and scattered < 1e-5
+        shm = [("all_reduce", (1, 64)), ("all_reduce", (3, 896)), ("all_reduce", (2, 5)), ("all_gather", (2, 3)),
+               ("reduce_scatter", (8, 12))]
+        assert paths == sorted([(op, shape, "shm") for op, shape in shm]
+                               + [("all_reduce", (SLOT_BYTES // 4 + 10,), "gloo")]), paths
         assert [tuple(s.shape) for s in sums] == [(2, 5)] * 3 and all(torch.equal(s, torch.full((2, 5), float(tp)))
                                                                       for s in sums), sums
         assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(tp)], -1))

@@ -72,7 +72,7 @@ def test_compiled_tp2_equals_hf(checkpoint, hf_model):
 
 def test_compiled_static_decode_equals_hf(checkpoint, hf_model):
     """``compile=True`` with the decode steps at fixed shapes: what a GPU captures in its graphs with
-    ``compile=True``, run eagerly here (decode steps of 3 sequences, padded to the bucket of 4)."""
+    ``compile=True``, run eagerly here (decode steps of 3 sequences, padded to the bucket of 4: test_static_decode)."""
     with LLM(checkpoint("gqa"), compile=True, static_decode=True) as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
         stats = llm.stats()

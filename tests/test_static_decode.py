@@ -45,6 +45,14 @@ def test_static_decode_matches_hf_with_batching_chunks_and_preemption(checkpoint
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
 
 
+def record_rows(llm) -> list[tuple[int, int]]:
+    """``(sequences, rows)`` of each decode step the engine of ``llm`` runs at fixed shapes, from now on."""
+    static, rows = llm._worker.engine.runner.static, []
+    copy_inputs = static.copy_inputs
+    static.copy_inputs = lambda seqs, n, w: rows.append((len(seqs), n)) or copy_inputs(seqs, n, w)
+    return rows
+
+
 def test_padding_rows_write_only_the_scratch_block(checkpoint, hf_model):
     """3 prompts of 13 tokens fill all 12 blocks of 4 at their prefill, and their 3 decode steps (positions 13-15,
     in blocks they hold) are padded to 4 rows: the padding row's K/V must go to the scratch block, not to a
@@ -54,9 +62,11 @@ def test_padding_rows_write_only_the_scratch_block(checkpoint, hf_model):
     refs = [hf_greedy(model, p, 4) for p in prompts]
     with LLM(checkpoint("gqa"), static_decode=True, device="cpu", block_size=4, num_kv_blocks=12,
              max_num_seqs=8) as llm:
+        rows = record_rows(llm)
         outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
         stats = llm.stats()
     assert stats["static_decode_steps"] == 3 and stats["num_preemptions"] == 0, stats
+    assert rows == [(3, 4)] * 3, rows                             # a padding row in every decode step
     assert stats["peak_kv_blocks_used"] == 12, stats              # no free block for a stray write to land in
     assert len(outs) == len(refs)
     for out, ref in zip(outs, refs):
@@ -66,13 +76,10 @@ def test_padding_rows_write_only_the_scratch_block(checkpoint, hf_model):
 
 def test_only_decode_steps_run_padded(checkpoint):
     """Steps with a prompt chunk run at their own shapes; a step of 3 decodes runs in the bucket of 4."""
-    with LLM(checkpoint("gqa"), static_decode=True, max_num_seqs=3) as llm:
-        static = llm._worker.engine.runner.static
-        buckets_run = []
-        forward = static.forward
-        static.forward = lambda seqs: buckets_run.append(len(seqs)) or forward(seqs)
+    with LLM(checkpoint("gqa"), static_decode=True, max_num_seqs=4) as llm:     # buckets 1, 2, 4
+        rows = record_rows(llm)
         llm.generate(PROMPTS[:3], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert buckets_run == [3, 3, 3], buckets_run                  # 3 decode steps after the prefill step
+    assert rows == [(3, 4)] * 3, rows                             # 3 decode steps after the prefill step, 4 rows
 
 
 def test_the_padded_step_makes_its_length_mask_once_a_step(checkpoint):
