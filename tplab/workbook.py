@@ -1,5 +1,6 @@
 """Small conveniences every notebook uses: one place to pick the model, a deterministic setup,
 and a ledger of checks that the last cell asserts."""
+import json
 import os
 import random
 from pathlib import Path
@@ -38,6 +39,51 @@ def setup(seed: int = 0, solutions: bool | None = None) -> None:
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     torch.set_printoptions(precision=4, sci_mode=False)
+
+
+def _bench_rows(data) -> list[dict]:
+    """The result rows (dicts with a positive "ratio"), wherever a results file keeps them."""
+    if isinstance(data, dict):
+        return _bench_rows(data["rows"]) if "rows" in data else [r for v in data.values() for r in _bench_rows(v)]
+    if isinstance(data, list):
+        return [d for d in data if isinstance(d, dict) and isinstance(d.get("ratio"), (int, float)) and d["ratio"] > 0]
+    return []
+
+
+def _better(row: dict) -> str:
+    """Which way the ratio should go: the target says so, else the unit (rates up; time and memory down)."""
+    target = str(row.get("target") or "")
+    if target.startswith((">", "<")):
+        return "higher" if target.startswith(">") else "lower"
+    return "higher" if row.get("unit") in ("tok/s", "fraction") else "lower"
+
+
+def show_bench_results() -> None:
+    """Print the newest ``bench/results/<machine>/run_all.json`` (``bench/run_all.py`` writes it) as a table: each
+    row's tplab and reference figures, their ratio, which way is better, its target, and the machine; or say why
+    there is none."""
+    runs = sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("*/run_all.json"),
+                  key=lambda p: p.stat().st_mtime)
+    if not runs:
+        print("no benchmark results to show (no bench/results/<machine>/run_all.json); run bench/run_all.py to make one")
+        return
+    try:
+        data = json.loads(runs[-1].read_text())
+    except (OSError, ValueError) as e:
+        print(f"no benchmark results to show (cannot read {runs[-1]}: {type(e).__name__})")
+        return
+    rows, machine = _bench_rows(data), data.get("machine", {})
+    if not rows:
+        print(f"no benchmark results to show ({runs[-1].name} has no rows with a ratio)")
+        return
+    print(f"measured on {machine.get('cpu_model', 'an unrecorded CPU')}, {machine.get('cores', '?')} cores, "
+          f"torch {machine.get('torch', '?')}\n")
+    print(f"{'measurement':<58} | {'tplab':>9} | {'reference':>9} | {'unit':<8} | {'ratio':>6} | better | target")
+    for r in rows:
+        met = {True: "met", False: "MISSED"}.get(r.get("met"), "")
+        print(f"{r.get('name', '?').strip()[:58]:<58} | {r.get('tplab', float('nan')):9.4g} | "
+              f"{r.get('reference', float('nan')):9.4g} | {r.get('unit', ''):<8} | {r['ratio']:6.3g} | "
+              f"{_better(r):<6} | {r.get('target') or '-'} {met}")
 
 
 def backend_for(world_size: int) -> str:

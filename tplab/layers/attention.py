@@ -28,31 +28,6 @@ def plain_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: tor
                                           scale=scale, enable_gqa=True)[0]
 
 
-class AttendsDecodesTogether:
-    """An ``attend`` (``Parts.attend``) that takes a whole step, so that it can attend every decode token of
-    it at once over the blocks the decode sequences hold (``meta.decode``, which the engine fills with what its
-    ``decode_inputs`` makes): ``Attention`` hands it the step
-    (``attend_step``) instead of calling it once per sequence, and it hands the sequences it leaves back to
-    ``Attention.attend_each``. A plain function is called once per sequence, every sequence."""
-
-    def attend_step(self, layer: "Attention", q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                    meta: AttentionMetadata) -> torch.Tensor:
-        """q ``(T, H, D)``; ``kv_cache`` the layer's, this step's K/V already written -> ``(T, H, D)``."""
-        raise NotImplementedError
-
-    def decode_inputs(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                      block_size: int, device) -> object:
-        """What ``attend_step`` reads from ``meta.decode``. The engine calls it once a step, before the forward:
-        on a GPU, a tensor made from host data inside the forward makes the host wait for the queued kernels."""
-        raise NotImplementedError
-
-
-class AttendsPaddedDecodes(AttendsDecodesTogether):
-    """An ``attend`` whose ``attend_step`` also takes a decode step at fixed shapes: ``meta.decode`` a
-    ``PaddedDecode`` (``tplab.kernels.decode_blocks``), every row one decode query (the step a CUDA graph
-    replays, ``tplab.engine.static_decode``)."""
-
-
 class Attention(nn.Module):
     """One layer's attention on one rank: stores this step's K/V in the paged cache, then attends
     from each sequence's new queries to its keys.
@@ -79,27 +54,6 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.attend = plain_attend if attend is None else attend
 
-    @classmethod
-    def cannot_run(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-        """Why this attention cannot run an engine on ``device`` in ``dtype`` with heads of ``head_dim``, or
-        None. Where it cannot, the engine builds this class, tplab's, instead and says why (``EngineConfig``,
-        before any rank starts). tplab's runs everywhere; a part tied to a kernel says where it does not."""
-        return None
-
-    @classmethod
-    def takes_padded_decodes(cls, attend) -> bool:
-        """Whether this attention, with ``attend``, runs a decode step at fixed shapes (``PaddedDecode``):
-        ``forward`` hands the step to ``attend``, so it can when ``attend`` says so. A part whose ``forward``
-        does not use its ``attend`` says for itself."""
-        return isinstance(attend, AttendsPaddedDecodes)
-
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
-                       head_dim: int) -> tuple[int, ...]:
-        """The shape of one layer's K (and V) cache that ``forward`` expects, as a vLLM attention
-        backend declares it: the KV heads only, never their repeats for the query heads."""
-        return (num_blocks, block_size, num_kv_heads, head_dim)
-
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         # q (T, H, D); k, v (T, H_kv, D); each cache (num_blocks, block_size, H_kv, D)
         k_cache, v_cache = (c.flatten(0, 1) for c in kv_cache)      # (num_slots, H_kv, D) views
@@ -124,6 +78,29 @@ class Attention(nn.Module):
             out[qs[b]:qs[b + 1]] = o.transpose(0, 1)
         return out                                                  # (T, H, D), the tokens in the order they came
 
+    # What the engine asks of an attention part before it builds one
+
+    @classmethod
+    def cannot_run(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why this attention cannot run an engine on ``device`` in ``dtype`` with heads of ``head_dim``, or
+        None. Where it cannot, the engine builds this class, tplab's, instead and says why (``EngineConfig``,
+        before any rank starts). tplab's runs everywhere; a part tied to a kernel says where it does not."""
+        return None
+
+    @classmethod
+    def takes_padded_decodes(cls, attend) -> bool:
+        """Whether this attention, with ``attend``, runs a decode step at fixed shapes (``PaddedDecode``):
+        ``forward`` hands the step to ``attend``, so it can when ``attend`` says so. A part whose ``forward``
+        does not use its ``attend`` says for itself."""
+        return isinstance(attend, AttendsPaddedDecodes)
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
+                       head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's K (and V) cache that ``forward`` expects, as a vLLM attention
+        backend declares it: the KV heads only, never their repeats for the query heads."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
 
 def cache_shape_of(attention: type, num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int,
                    head_dim: int) -> tuple[int, ...]:
@@ -132,3 +109,30 @@ def cache_shape_of(attention: type, num_blocks: int, block_size: int, num_heads:
     ``(num_blocks, block_size, H_kv, D)``, which any part written to ``Attention``'s contract reads."""
     shape_of = attention.kv_cache_shape if issubclass(attention, Attention) else Attention.kv_cache_shape
     return tuple(shape_of(num_blocks, block_size, num_heads, num_kv_heads, head_dim))
+
+
+# What an ``attend`` may declare, for the engine to hand it more than one sequence at a time
+
+class AttendsDecodesTogether:
+    """An ``attend`` (``Parts.attend``) that takes a whole step, so that it can attend every decode token of
+    it at once over the blocks the decode sequences hold (``meta.decode``, which the engine fills with what its
+    ``decode_inputs`` makes): ``Attention`` hands it the step (``attend_step``) instead of calling it once per
+    sequence, and it hands the sequences it leaves back to ``Attention.attend_each``. A plain function is
+    called once per sequence, every sequence."""
+
+    def attend_step(self, layer: "Attention", q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """q ``(T, H, D)``; ``kv_cache`` the layer's, this step's K/V already written -> ``(T, H, D)``."""
+        raise NotImplementedError
+
+    def decode_inputs(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                      block_size: int, device) -> object:
+        """What ``attend_step`` reads from ``meta.decode``. The engine calls it once a step, before the forward:
+        on a GPU, a tensor made from host data inside the forward makes the host wait for the queued kernels."""
+        raise NotImplementedError
+
+
+class AttendsPaddedDecodes(AttendsDecodesTogether):
+    """An ``attend`` whose ``attend_step`` also takes a decode step at fixed shapes: ``meta.decode`` a
+    ``PaddedDecode`` (``tplab.kernels.decode_blocks``), every row one decode query (the step a CUDA graph
+    replays, ``tplab.engine.static_decode``)."""
