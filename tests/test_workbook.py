@@ -17,3 +17,9 @@ def test_the_bench_table_shows_every_row_of_the_newest_run_with_the_way_it_shoul
     assert len(lines) == 3 + len(rows) and len(rows) > 10, lines
     assert workbook._better({"unit": "tok/s"}) == "higher" and workbook._better({"unit": "MiB"}) == "lower"
     assert workbook._better({"unit": "MiB", "target": ">= 1.0"}) == "higher"
+
+
+def test_ops_of_names_the_aten_ops_a_call_runs():
+    import torch
+    ops = workbook.ops_of(lambda: torch.ones(3).repeat_interleave(2))
+    assert "aten::repeat_interleave" in ops and "aten::matmul" not in ops

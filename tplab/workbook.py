@@ -41,6 +41,22 @@ def setup(seed: int = 0, solutions: bool | None = None) -> None:
     torch.set_printoptions(precision=4, sci_mode=False)
 
 
+def ops_of(fn) -> set[str]:
+    """The names of the aten ops ``fn()`` runs, from PyTorch's profiler (whose C++ side would log to the
+    notebook's stderr: it is sent to /dev/null while it runs)."""
+    from torch.profiler import profile
+    quiet, saved = os.open(os.devnull, os.O_WRONLY), os.dup(2)
+    os.dup2(quiet, 2)
+    try:
+        with profile() as prof:
+            fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(quiet)
+    return {e.name for e in prof.events()}
+
+
 def _bench_rows(data) -> list[dict]:
     """The result rows (dicts with a positive "ratio"), wherever a results file keeps them."""
     if isinstance(data, dict):
