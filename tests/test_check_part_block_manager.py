@@ -130,6 +130,15 @@ class WholePromptFromCache(MyBlockManager):
         super().allocate(seq, hits)
 
 
+class ForgetsOnFree(MyBlockManager):
+    """Drops a freed block's hash at once, as if a free block could not stay cached."""
+    def free(self, seq):
+        for block in seq.block_table:
+            if self.ref_counts[block] == 1 and self.block_hash[block] is not None:
+                del self.hash_to_block_id[self.block_hash[block]]
+        super().free(seq)
+
+
 class AppendsEveryStep(MyBlockManager):
     def may_append(self, seq):
         seq.block_table.append(self.take_free_block())
@@ -145,7 +154,10 @@ class AppendsEveryStep(MyBlockManager):
     (TableKeptAfterFree, "after free(A), the sequence still has 4 blocks in its block_table"),
     (WholePromptFromCache, "cached is 8, all of G's tokens; can_allocate found 1 block. Share exactly the first "
                            "num_cached_blocks"),
-    (AppendsEveryStep, "after may_append(A) at 11 tokens: A holds 4 blocks, it needs 3")])
+    (AppendsEveryStep, "after may_append(A) at 11 tokens: A holds 4 blocks, it needs 3"),
+    (ForgetsOnFree, "free(A) dropped 1 block(s) from the prefix cache (hash_to_block_id held 4 after A's appends, 3 "
+                    "after free(A)): a freed block keeps its hash"),
+    (NeverRegistersOnAppend, "When may_append completes a block")])
 def test_block_manager_bookkeeping_mistakes_are_named(impl, words):
     ok, why = block_manager_probe.diagnose(block_manager_probe.run(impl))
     assert ok is False and words in why, why
@@ -162,7 +174,8 @@ def test_block_manager_bookkeeping_mistakes_are_named(impl, words):
     (lambda bt, ps, bs: [bt[p // bs] * bs + p for p in ps], "the position p is added, not its offset in its block"),
     (lambda bt, ps, bs: [bt[p // bs] * len(bt) + p % bs for p in ps],
      "position 0's slot is block_table[0 // 16] * 16 + 0 % 16 = 3 * 16 + 0 = 48; you gave 6"),
-    (lambda bt, ps, bs: [bt[ps[-1] // bs] * bs + ps[-1] % bs], "1 slots for 5 positions; return one slot per")])
+    (lambda bt, ps, bs: [bt[ps[-1] // bs] * bs + ps[-1] % bs], "1 slots for 5 positions; return one slot per"),
+    (lambda bt, ps, bs: [bt[p % bs] * bs + p // bs for p in ps], "p % block_size is the offset inside that block")])
 def test_slot_mapping_mistakes_are_named(fn, words):
     result = nb05.check_slot_mapping(fn)
     assert result.ok is False and words in result.message, result.message

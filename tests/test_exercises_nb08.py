@@ -231,6 +231,12 @@ def per_pair(y, order, traffic, weights):
     return _back(y, traffic) * weights.flatten()[order].unsqueeze(-1)
 
 
+def indexed_add(y, order, traffic, weights):
+    out = torch.zeros(weights.shape[0], y.shape[1])
+    out[order // weights.shape[1]] += _back(y, traffic).float() * weights.flatten()[order].unsqueeze(-1)
+    return out                                                        # a token's repeated index: one write wins
+
+
 def idle_returns_early(y, order, traffic, weights):
     if weights.shape[0] == 0:
         return torch.zeros(0, y.shape[1])
@@ -257,6 +263,7 @@ MISTAKES = [("moe_dispatch", global_ids, "global expert ids used as local ones")
             ("moe_combine", tokens_are_pair_indices, f"Hint: a pair index taken for a token index? {PAIRS}"),
             ("moe_combine", tokens_are_pair_indices_mod_t, f"output i added into token order[i] % T_r (a pair index "
                                                            f"taken for a token index): {PAIRS}"),
+            ("moe_combine", indexed_add, "an indexed += (out[order // k] += ...) with a token's index repeated"),
             ("moe_combine", idle_returns_early, "Every rank must join every exchange")]
 
 

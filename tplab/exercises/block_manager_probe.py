@@ -24,6 +24,7 @@ def _snapshot(bm, live, what):
             "cached": {s.seq_id: s.num_cached_tokens for s in live}, "shared": shared,
             "distinct_held": len(held), "used": bm.num_used_blocks, "hits": bm.prefix_cache_hit_blocks,
             "_undercounted": sorted(b for b in held if refs is not None and refs[b] < len(holders[b])),
+            "_cached_blocks": len(getattr(bm, "hash_to_block_id", {})),
             "_freed_held": {b: holders[b] for b in sorted(held & set(bm.free_block_ids))}}
 
 
@@ -97,6 +98,10 @@ KEYS = {"none": "allocate(A) registered none of its full blocks, so B finds no p
                      "block before it (two prompts share block i only if every token before it agrees too). "
                      "Register with self.register(block, seq, i), which keys it by hash_full_blocks(seq)[i]"}
 
+FORGOT_ON_FREE = ("free(A) dropped {n} block(s) from the prefix cache (hash_to_block_id held {before} after A's "
+                  "appends, {after} after free(A)): a freed block keeps its hash and goes back on the free list still "
+                  "cached, so a later prompt (E) can share it; only take_free_block forgets it, when the block is "
+                  "handed out again")
 NOT_REGISTERED = ("A's third block filled up in may_append (A grew from 10 to 12 tokens), so E, which starts with A's "
                   "12 tokens, should find all 3 of A's blocks in the prefix cache; it finds {got}. When may_append "
                   "completes a block (len(seq) % block_size == 0), hash it (chained on the block before) and "
@@ -146,6 +151,15 @@ def diagnose(snaps: list[dict]) -> tuple[bool, str]:
                 if want["step"].startswith("can_allocate before allocate(E)") and isinstance(got.get(key), int) \
                         and isinstance(value, int) and got[key] < value:
                     return False, f"after {want['step']}: fits is {got[key]}, expected {value}. " \
-                                  + NOT_REGISTERED.format(got=got[key])
+                                  + (_forgot_on_free(snaps) or NOT_REGISTERED.format(got=got[key]))
                 return False, f"after {want['step']}: {key} is {got.get(key)}, expected {value} ({WHY[key]})"
     return True, ""
+
+
+def _forgot_on_free(snaps: list[dict]) -> str | None:
+    """The words for a ``free`` that removes a freed block's hash from the prefix cache, or None."""
+    steps = {snap["step"]: snap for snap in snaps}
+    before, after = (steps.get(step, {}).get("_cached_blocks") for step in ("may_append(A) at 13 tokens", "free(A)"))
+    if before is None or after is None or after >= before:
+        return None
+    return FORGOT_ON_FREE.format(n=before - after, before=before, after=after)

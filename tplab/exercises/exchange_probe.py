@@ -160,14 +160,17 @@ def dispatch_problem(per_rank: list[dict]) -> str | None:
     return None
 
 
-def combine_expected(case: int, rank: int, weighted: bool = True, slot_of=None, token_of=None) -> torch.Tensor:
+def combine_expected(case: int, rank: int, weighted: bool = True, slot_of=None, token_of=None,
+                     pairs=None) -> torch.Tensor:
     """Rank ``rank``'s right combine ``(T_r, E)``: each token's k outputs (its row times (expert + 1)) weighted and
     summed; ``weighted=False``: not weighted; ``slot_of(p)``: pair p weighted by pair ``slot_of(p)``'s weight;
-    ``token_of(p)``: pair p's output added into token ``token_of(p)``, not its own."""
+    ``token_of(p)``: pair p's output added into token ``token_of(p)``, not its own; ``pairs``: only these pairs."""
     x, ids, weights = inputs(case, rank)
     flat_w = weights.flatten()
     out = torch.zeros(x.shape)
     for p, e in enumerate(ids.flatten().tolist()):
+        if pairs is not None and p not in pairs:
+            continue
         w = (flat_w[p if slot_of is None else slot_of(p)]) if weighted else 1.0
         out[p // TOP_K if token_of is None else token_of(p)] += w * x[p // TOP_K] * (e + 1)
     return out
@@ -208,6 +211,11 @@ def _combined_problem(got, case: int, rank: int) -> str | None:
                 "weights.flatten()[order[i]], not weights.flatten()[i]")
     if _near(got, combine_expected(case, rank, token_of=lambda p: p % tokens)):
         return f"output i added into token order[i] % T_r (a pair index taken for a token index): {PAIRS}"
+    first, last = ({p // TOP_K: p for p in pairs} for pairs in (order[::-1], order))   # one pair a token
+    if any(_near(got, combine_expected(case, rank, pairs=set(kept.values()))) for kept in (first, last)):
+        return ("each token holds one of its k outputs, not their sum: an indexed += (out[order // k] += ...) with a "
+                "token's index repeated writes that row once, one pair winning; add them all with "
+                "out.index_add_(0, order // k, ...)")
     return (f"tokens combined in the wrong order or from the wrong rows: token 0 got {got[0].tolist()}, expected "
             f"{combine_expected(case, rank)[0].tolist()}. The outputs come back in the order the pairs were sent "
             "(the traffic transposed): output i is pair order[i], token order[i] // k")

@@ -84,7 +84,8 @@ def _index_error(fn, error: IndexError, block_table, positions, block_size) -> s
     last = positions[-1]
     return (f"block_table {block_table}, positions {positions}, block_size {block_size}: raised IndexError: "
             f"{error}{line}. block_table's entries are 0 to {len(block_table) - 1}: position p's block is entry "
-            f"p // block_size (the last position, {last}, is in entry {last // block_size}), no +1")
+            f"p // block_size (the last position, {last}, is in entry {last // block_size}), no +1; and p % block_size "
+            "is the offset inside that block, not the entry")
 
 
 def _as_slots(got) -> tuple[torch.Tensor | None, str]:
