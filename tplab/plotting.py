@@ -23,10 +23,11 @@ def use_style() -> None:
     plt.rcParams.update(STYLE)
 
 
-def figure(ncols: int = 1, width: float = FIGSIZE[0], height: float = FIGSIZE[1]):
-    """A figure in the notebooks' style with ``ncols`` axes side by side."""
+def figure(ncols: int = 1, width: float = FIGSIZE[0], height: float = FIGSIZE[1], layout: str | None = None):
+    """A figure in the notebooks' style with ``ncols`` axes side by side (``layout``: matplotlib's, e.g.
+    "constrained")."""
     use_style()
-    fig, axes = plt.subplots(1, ncols, figsize=(width, height), dpi=DPI)
+    fig, axes = plt.subplots(1, ncols, figsize=(width, height), dpi=DPI, layout=layout)
     return fig, axes
 
 
@@ -87,7 +88,9 @@ def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", t
     """One line per run (label -> list of ``golden.Diff``): max abs diff against HF per sublayer, on a
     log scale, with each sublayer's bound (the first run's, unless ``tol`` is given) as a dashed line
     and the exact and NaN/inf bands of ``draw_diffs``."""
-    fig, ax = figure()
+    long_labels = max(map(len, runs)) > 28                  # beside the axes, such a legend would squeeze them
+    fig, ax = (figure(height=FIGSIZE[1] + 0.25 * (len(runs) + 1), layout="constrained") if long_labels
+               else figure())                               # a line of legend a run, and the bound's
     first = next(iter(runs.values()))
     names = [d.name for d in first]
     tol = [d.bound for d in first] if tol is None else tol
@@ -97,7 +100,11 @@ def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", t
     ax.set_xticks(range(0, len(names), step), [short_name(n) for n in names[::step]], rotation=45,
                   ha="right")
     ax.set_title(title)
-    fig.tight_layout()
+    if long_labels:                                         # under the figure instead
+        ax.get_legend().remove()
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", frameon=False)
+    else:
+        fig.tight_layout()
     return fig
 
 

@@ -55,10 +55,11 @@ NAMES = tuple(BUGS)
 
 
 def describe(name: str) -> str:
-    """The pitfall a bug reproduces (its replacement's docstring)."""
+    """The pitfall a bug reproduces (its replacement's docstring, its code spans in single backticks, as a
+    notebook's markdown has them)."""
     if name not in BUGS:
         raise ValueError(f"unknown bug name {name!r}; known: {list(NAMES)}")
-    return next(iter(BUGS[name].values())).__doc__.strip()
+    return next(iter(BUGS[name].values())).__doc__.strip().replace("``", "`")
 
 
 __all__ = ["NAMES", "describe", "decode_with_positions", "greedy_with_positions", *(
