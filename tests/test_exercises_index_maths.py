@@ -8,6 +8,7 @@ from tplab.exercises import nb05, nb06
 from tplab.exercises.solutions import define
 
 ceil = lambda v, tp: -(-v // tp)                                          # noqa: E731
+per64 = lambda v, tp: ceil(ceil(v, 64) * 64, tp)                          # noqa: E731  rows a rank, vLLM's padding
 # exercise -> (its checker, what every rejection shows tplab's answer as, {words naming the mistake: a wrong answer})
 CASES = {
     "slot_mapping": (nb05.check_slot_mapping, "build_metadata gives", {
@@ -28,7 +29,7 @@ CASES = {
         "its end is its start, never before it": lambda v, r, tp: (r * ceil(v, tp), min((r + 1) * ceil(v, tp), v)),
         "not how many a rank holds": lambda v, r, tp: (r * ceil(v, tp), ceil(v, tp)),
         "padded to a multiple of 64 first, as vLLM": lambda v, r, tp: (
-            r * ceil(ceil(v, 64) * 64, tp), min((r + 1) * ceil(ceil(v, 64) * 64, tp), v)),
+            r * per64(v, tp), max(r * per64(v, tp), min((r + 1) * per64(v, tp), v))),
     }),
 }
 

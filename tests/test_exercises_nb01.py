@@ -73,7 +73,7 @@ def test_check_causal_mask_names_an_additive_mask_and_not_the_nan_bug():
 
 def test_check_causal_mask_names_hfs_additive_mask_of_finfo_min():
     result = nb01.check_causal_mask(lambda q, k: torch.where(SOLUTION(q, k), 0.0, torch.finfo(torch.float32).min))
-    assert result.ok is False and "0 where visible and a large negative number (HF's finfo.min) where hidden" \
+    assert result.ok is False and "0 where visible and a large negative number (such as HF's finfo.min) where hidden" \
         in result.message, result.message
     assert "adds 1 to the visible ones" not in result.message, result.message
 

@@ -10,8 +10,8 @@ def test_the_bench_table_shows_every_row_of_the_newest_run_with_the_way_it_shoul
     times and memory lower, a target's own direction first."""
     workbook.show_bench_results()
     lines = capsys.readouterr().out.splitlines()
-    newest = max(Path(workbook.__file__).resolve().parents[1].glob("bench/results/*/run_all.json"),
-                 key=lambda p: p.stat().st_mtime)
+    newest = max((p for p in Path(workbook.__file__).resolve().parents[1].glob("bench/results/*/run_all.json")
+                  if p.parent.name != "quick"), key=lambda p: p.stat().st_mtime)
     rows = workbook._bench_rows(json.loads(newest.read_text()))
     assert lines[0].startswith("measured on ") and lines[2].startswith("measurement")
     assert len(lines) == 3 + len(rows) and len(rows) > 10, lines

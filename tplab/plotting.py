@@ -89,8 +89,7 @@ def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", t
     log scale, with each sublayer's bound (the first run's, unless ``tol`` is given) as a dashed line
     and the exact and NaN/inf bands of ``draw_diffs``."""
     long_labels = max(map(len, runs)) > 28                  # beside the axes, such a legend would squeeze them
-    fig, ax = (figure(height=FIGSIZE[1] + 0.25 * (len(runs) + 1), layout="constrained") if long_labels
-               else figure())                               # a line of legend a run, and the bound's
+    fig, ax = figure(layout="constrained" if long_labels else None)
     first = next(iter(runs.values()))
     names = [d.name for d in first]
     tol = [d.bound for d in first] if tol is None else tol
@@ -100,9 +99,11 @@ def plot_layer_diffs(runs: dict, title: str = "max |tplab - HF| per sublayer", t
     ax.set_xticks(range(0, len(names), step), [short_name(n) for n in names[::step]], rotation=45,
                   ha="right")
     ax.set_title(title)
-    if long_labels:                                         # under the figure instead
+    if long_labels:                                         # under the figure instead, taller by its lines
+        handles, labels = ax.get_legend_handles_labels()
         ax.get_legend().remove()
-        fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", frameon=False)
+        fig.set_figheight(FIGSIZE[1] + 0.25 * len(labels))
+        fig.legend(handles, labels, loc="outside lower center", frameon=False)
     else:
         fig.tight_layout()
     return fig

@@ -71,15 +71,16 @@ def _better(row: dict) -> str:
     target = str(row.get("target") or "")
     if target.startswith((">", "<")):
         return "higher" if target.startswith(">") else "lower"
-    return "higher" if row.get("unit") in ("tok/s", "fraction") else "lower"
+    unit = str(row.get("unit", ""))
+    return "higher" if unit.endswith("/s") or unit == "fraction" else "lower"
 
 
 def show_bench_results() -> None:
     """Print the newest ``bench/results/<machine>/run_all.json`` (``bench/run_all.py`` writes it) as a table: each
     row's tplab and reference figures, their ratio, which way is better, its target, and the machine; or say why
     there is none."""
-    runs = sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("*/run_all.json"),
-                  key=lambda p: p.stat().st_mtime)
+    runs = sorted((p for p in (Path(__file__).resolve().parents[1] / "bench" / "results").glob("*/run_all.json")
+                   if p.parent.name != "quick"), key=lambda p: p.stat().st_mtime)   # not run_all.py --quick's
     if not runs:
         print("no benchmark results to show (no bench/results/<machine>/run_all.json); run bench/run_all.py to make one")
         return

@@ -27,8 +27,9 @@ class Dim1QKVParallelLinear(QKVParallelLinear):
     the MLP's fused gate|up with the same loader.
 
     Review notes: "你当前的 loader 假设 fused QKV 的格式是 [hidden_size, (Q+K+V)*head_size]，然后按 dim=1 切分
-    ... HuggingFace/PyTorch 的 nn.Linear.weight 标准形状是 [out_features, in_features]": a
-    column-parallel layer must cut dim 0, the outputs. At TP 1 a narrow takes the whole tensor, so
+    ... HuggingFace/PyTorch 的 nn.Linear.weight 标准形状是 [out_features, in_features]" (your loader takes
+    fused QKV as [hidden_size, (Q+K+V)*head_size] and splits it on dim 1 ... but nn.Linear.weight is
+    [out_features, in_features]): a column-parallel layer must cut dim 0, the outputs. At TP 1 a narrow takes the whole tensor, so
     every weight loads exactly and the model matches HF to float32 rounding: the mistake hides. At
     TP 2 each rank holds input columns reshaped into rows: it loads without an error and is wrong
     from the first attention on."""
@@ -40,8 +41,8 @@ class Dim1QKVParallelLinear(QKVParallelLinear):
 class Dim1MergedColumnParallelLinear(MergedColumnParallelLinear):
     """gate_proj | up_proj narrowed on dim 1, as ``Dim1QKVParallelLinear``.
 
-    Review notes: "并且在 _shard_weight 里也是沿着 dim=1 narrow 来切分": the student's shared helper
-    cut dim 1 for every column-parallel weight."""
+    Review notes: "并且在 _shard_weight 里也是沿着 dim=1 narrow 来切分" (and _shard_weight narrows on dim 1
+    too): the student's shared helper cut dim 1 for every column-parallel weight."""
 
     def weight_loader(self, param, loaded, shard_id):
         super().weight_loader(param, _NarrowsDim1(loaded), shard_id)

@@ -47,7 +47,7 @@ def _dtype_message(mine: torch.Tensor, q_len: int, k_len: int) -> str:
     ref, fits = reference_mask(q_len, k_len), tuple(mine.shape) == (q_len, k_len)
     hidden = mine[~ref] if fits else mine
     if mine.dtype.is_floating_point and fits and torch.equal(mine == 0, ref) and bool((hidden <= -1e4).all()):
-        how = "-inf" if bool(hidden.isneginf().all()) else "a large negative number (HF's finfo.min)"
+        how = "-inf" if bool(hidden.isneginf().all()) else "a large negative number (such as HF's finfo.min)"
         return (f"dtype {mine.dtype}: an additive mask, 0 where visible and {how} where hidden. Added to the scores "
                 "it works, but return booleans, True where visible, as masked_fill and the engine take them: "
                 "`mask == 0`, or build it by a comparison")

@@ -3,7 +3,8 @@
 ``check_vocab_shard_range(fn)`` compares the learner's ``fn(vocab_size, rank, tp)`` ->
 ``(start, end)`` with the real rows of ``tplab.layers.VocabParallelEmbedding`` built for that
 rank: the vocab is padded up to a multiple of ``tp``, every rank holds the same number of
-rows, and the last rank may hold fewer real ones (a rank of padding only, none: any empty range).
+rows, and the last rank may hold fewer real ones (a rank that holds only padding has no real row: any
+empty range is accepted for it).
 """
 import operator
 

@@ -127,9 +127,10 @@ class AttendsDecodesTogether:
 
     def decode_inputs(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                       block_size: int, device) -> object:
-        """What ``attend_step`` reads from ``meta.decode``. The engine calls it once a step, before the forward:
-        on a GPU, a tensor made from host data inside the forward makes the host wait for the queued kernels."""
-        raise NotImplementedError
+        """What ``attend_step`` reads from ``meta.decode`` (None: nothing). The engine calls it once a step, before
+        the forward: on a GPU, a tensor made from host data inside the forward makes the host wait for the queued
+        kernels."""
+        return None
 
 
 class AttendsPaddedDecodes(AttendsDecodesTogether):

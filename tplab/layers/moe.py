@@ -13,8 +13,7 @@ Two placements, with vLLM's names. By default every rank holds every expert, eac
 MLP is (gate and up column parallel over I, down row parallel), so ``out`` sums this rank's I / t columns
 of every expert. With ``enable_expert_parallel`` each rank holds X / t whole experts and runs only the
 tokens routed to them; every rank sees every token, so ``out`` sums this rank's experts. Either way one
-all-reduce completes it, and an MoE block adds its shared expert's partial sum before that one all-reduce
-where its ``row_linear`` can return one (``ReturnsPartialSums``; another is reduced alone, and added after).
+all-reduce completes it; an MoE block's shared expert joins it as ``Qwen2MoeSparseMoeBlock`` says.
 
 Under data parallelism each DP rank has tokens of its own and the experts are spread over every rank of
 every DP rank, so tokens travel to their experts and back (``forward_all_to_all``, through the exchange in

@@ -46,8 +46,8 @@ def local_head_counts(config, tp_size: int) -> tuple[int, int]:
 
 def row_settings(partial_sums: bool) -> dict:
     """The row-parallel layers' (and the embedding's) extra settings: where the caller reduces their partial
-    sums (under sequence parallelism, reduce-scattered), they return them (the part is ``ReturnsPartialSums``;
-    ``engine.config`` checks)."""
+    sums (under sequence parallelism, reduce-scattered), they return them; the part must be
+    ``ReturnsPartialSums``."""
     return {"reduce_results": False} if partial_sums else {}
 
 
