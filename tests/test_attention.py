@@ -163,6 +163,7 @@ def test_the_engine_hands_the_decodes_blocks_to_an_attend_that_takes_them_togeth
     from tplab.layers.attention import plain_attend
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [[5, 17, 42, 9], [8, 1, 200]]
+    _CountingAttend.together = 0
     with LLM(checkpoint("gqa"), parts={"attend": _CountingAttend()}) as llm:
         together = [out.token_ids for out in llm.generate(prompts, greedy)]
     layers = json.loads((checkpoint("gqa") / "config.json").read_text())["num_hidden_layers"]
