@@ -61,3 +61,13 @@ def test_steps_serve_requests_added_one_at_a_time(checkpoint):
             engine.add_request(seqs[2])
     assert sorted(s.seq_id for s in finished) == [0, 1, 2]
     assert [s.output_token_ids for s in seqs] == want
+
+
+def test_llm_engine_is_this_processs_engine_and_refused_where_ranks_run_elsewhere(checkpoint):
+    """``llm.engine`` hands over the in-process engine to watch its steps; with two ranks there is none here."""
+    from tplab import LLM
+    with LLM(checkpoint("gqa")) as llm:
+        assert isinstance(llm.engine, LLMEngine) and llm.engine.scheduler is llm.engine.schedulers[0]
+    with LLM(checkpoint("gqa"), tensor_parallel_size=2) as llm:
+        with pytest.raises(RuntimeError, match="2 ranks run in their own processes"):
+            llm.engine

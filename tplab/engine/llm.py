@@ -93,6 +93,15 @@ class LLM:
             raise
 
     @property
+    def engine(self):
+        """This process's ``LLMEngine``, to watch or drive its steps: there is one with a single rank (or under
+        torchrun, this rank's); with more ranks each runs in its own process."""
+        if self._worker is None:
+            raise RuntimeError(f"llm.engine: this LLM's {self.config.world_size} ranks run in their own processes "
+                               "(or it was shut down); a single rank (TP x PP x DP = 1) runs in this one")
+        return self._worker.engine
+
+    @property
     def backend(self) -> str:
         """The collective backend the ranks use ("nccl" or "gloo"); "none" with one rank, in this process."""
         if self._group is not None:
