@@ -29,10 +29,10 @@ class Dim1QKVParallelLinear(QKVParallelLinear):
     Review notes: "你当前的 loader 假设 fused QKV 的格式是 [hidden_size, (Q+K+V)*head_size]，然后按 dim=1 切分
     ... HuggingFace/PyTorch 的 nn.Linear.weight 标准形状是 [out_features, in_features]" (your loader takes
     fused QKV as [hidden_size, (Q+K+V)*head_size] and splits it on dim 1 ... but nn.Linear.weight is
-    [out_features, in_features]): a column-parallel layer must cut dim 0, the outputs. At TP 1 a narrow takes the whole tensor, so
-    every weight loads exactly and the model matches HF to float32 rounding: the mistake hides. At
-    TP 2 each rank holds input columns reshaped into rows: it loads without an error and is wrong
-    from the first attention on."""
+    [out_features, in_features]): a column-parallel layer must cut dim 0, the outputs. At TP 1 a narrow
+    takes the whole tensor, so every weight loads exactly and the model matches HF to float32 rounding: the
+    mistake hides. At TP 2 each rank holds input columns reshaped into rows: it loads without an error and is
+    wrong from the first attention on."""
 
     def weight_loader(self, param, loaded, shard_id):
         super().weight_loader(param, _NarrowsDim1(loaded), shard_id)

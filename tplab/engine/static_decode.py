@@ -4,8 +4,9 @@ On a GPU a decode step of a small model waits on the host: the kernels are short
 one by one from Python takes longer than running them. A CUDA graph records a step's kernels once and
 replays them all with one launch. A replay runs the same kernels on the same addresses, so the step it
 replays must have fixed shapes and read its inputs from tensors that never move:
-- the batch is padded to a bucket (1, 2, 4, 8, then every multiple of 16 sequences, and max_num_seqs); a padding row decodes token 0 at
-  position 0 into a scratch block of the KV cache that no sequence holds, and its output is dropped;
+- the batch is padded to a bucket (1, 2, 4, 8, then every multiple of 16 sequences, and max_num_seqs); a
+  padding row decodes token 0 at position 0 into a scratch block of the KV cache that no sequence holds, and its
+  output is dropped;
 - the inputs live in buffers allocated once: token ids, positions, ``slot_mapping``, the block tables
   padded to a width bucket, the context lengths. Every step copies its values into them, then replays
   (from pinned host memory: each copy is queued, and the host does not wait for it);

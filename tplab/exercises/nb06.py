@@ -26,6 +26,11 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _per_rank_64(v: int, tp: int) -> int:
+    """Rows a rank holds where the vocabulary is first padded to a multiple of 64, as vLLM pads it."""
+    return _ceil(_ceil(v, 64) * 64, tp)
+
+
 MISTAKES = [  # (what the usual mistake computes, what it means)
     (lambda v, r, tp: (r * (v // tp), (r + 1) * (v // tp)), "vocab_size // tp rows per rank: when tp does not divide "
      "the vocabulary, its last rows belong to no rank. Pad it up: every rank holds per_rank = ceil(vocab_size / tp)"),
@@ -40,8 +45,7 @@ MISTAKES = [  # (what the usual mistake computes, what it means)
      "holds padding only, no real row: its end is its start, never before it"),
     (lambda v, r, tp: (r * _ceil(v, tp), _ceil(v, tp)), "the second number is where the rows end (exclusive), not "
      "how many a rank holds: end = min(start + per_rank, vocab_size)"),
-    (lambda v, r, tp: (r * _ceil(_ceil(v, 64) * 64, tp), max(r * _ceil(_ceil(v, 64) * 64, tp),
-                                                             min((r + 1) * _ceil(_ceil(v, 64) * 64, tp), v))),
+    (lambda v, r, tp: (r * _per_rank_64(v, tp), max(r * _per_rank_64(v, tp), min((r + 1) * _per_rank_64(v, tp), v))),
      "the vocabulary is padded to a multiple of 64 first, as vLLM pads it; tplab's VocabParallelEmbedding pads "
      "it only to a multiple of tp: per_rank = ceil(vocab_size / tp)"),
 ]
