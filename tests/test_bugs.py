@@ -25,7 +25,8 @@ def bug_rows(checkpoint, reference, names, tp=1):
 
 
 def test_names_cover_the_pitfalls_of_the_review_notes_and_say_which():
-    assert set(bugs.NAMES) == {"mask_mul_inf", "no_mask_with_cache", "no_rope", "rope_layout", "rope_cos_sin_axis", "rope_swallowed",
+    assert set(bugs.NAMES) == {"mask_mul_inf", "no_mask_with_cache",
+                               "no_rope", "rope_layout", "rope_cos_sin_axis", "rope_swallowed",
                                "shard_dim1", "qkv_presized", "kv_cache_repeated", "decode_position_offby1",
                                "lm_head_missing", "lm_head_random", "full_load_per_rank",
                                "sp_scatter_hidden", "sp_norm_twice", "pp_residual_not_sent", "pp_kv_every_layer",

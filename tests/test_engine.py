@@ -16,7 +16,8 @@ def llm(checkpoint):
 
 
 @pytest.mark.parametrize("tp,msg", [
-    (3, r"tensor_parallel_size=3 does not work: 4 query heads are not divisible by 3\. TP sizes that work: \[1, 2, 4\]"),
+    (3, r"tensor_parallel_size=3 does not work: 4 query heads are not divisible by 3\. "
+        r"TP sizes that work: \[1, 2, 4\]"),
     (8, r"8 query heads|4 query heads are not divisible by 8"),
     (0, r"tensor_parallel_size must be >= 1"),
 ])

@@ -15,7 +15,8 @@ def _watched(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for i in range(len(model.model.layers)):
         names += [f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp", f"model.layers.{i}"]
     modules = dict(model.named_modules())   # under pipeline parallelism, only this stage's are there
-    return [(n, modules[n]) for n in names + ["model.norm"] if n in modules and not isinstance(modules[n], PPMissingLayer)]
+    return [(n, modules[n]) for n in names + ["model.norm"]
+            if n in modules and not isinstance(modules[n], PPMissingLayer)]
 
 
 def install_finite_check(model: nn.Module) -> list:

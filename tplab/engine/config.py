@@ -43,7 +43,8 @@ def check_pp_size(config, pp_size) -> None:
         raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {pp_size!r}")
     if pp_size > config.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size={pp_size} is more stages than the model's {config.num_hidden_layers} "
-                         f"layers (num_hidden_layers): every stage needs a layer; use at most {config.num_hidden_layers}")
+                         f"layers (num_hidden_layers): every stage needs a layer; "
+                         f"use at most {config.num_hidden_layers}")
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:
@@ -253,7 +254,8 @@ def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts, dp_si
     if sequence_parallel and tp_size > 1 and not returns_partial_sums(row):
         raise ValueError(f"sequence_parallel=True needs a row_linear that returns partial sums when built with "
                          f"reduce_results=False (a subclass of tplab.layers.linear.ReturnsPartialSums); "
-                         f"{row.__qualname__ if isinstance(row, type) else row!r} is not: drop sequence_parallel or that part")
+                         f"{row.__qualname__ if isinstance(row, type) else row!r} is not: "
+                         "drop sequence_parallel or that part")
 
 
 def _device(cfg: EngineConfig, backend: str) -> str:
