@@ -23,3 +23,51 @@ def test_ops_of_names_the_aten_ops_a_call_runs():
     import torch
     ops = workbook.ops_of(lambda: torch.ones(3).repeat_interleave(2))
     assert "aten::repeat_interleave" in ops and "aten::matmul" not in ops
+
+
+def test_watch_records_each_call_as_it_returns_and_gives_the_method_back_even_on_an_error():
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def add(self, k):
+            self.n += k
+            return self.n
+
+    c = Counter()
+    with workbook.watch(c, "add", lambda total, k: (k, total)) as seen:
+        c.add(2)
+        c.add(3)
+    assert seen == [(2, 2), (3, 5)] and "add" not in vars(c)      # the class's method again
+    c.add(1)
+    assert seen == [(2, 2), (3, 5)]
+    own = lambda k: -k                                              # noqa: E731  (a method set on the instance)
+    c.add = own
+    try:
+        with workbook.watch(c, "add", lambda out, k: out):
+            raise KeyError("a cell that fails midway")
+    except KeyError:
+        pass
+    assert c.add is own
+
+
+def test_peak_bytes_counts_tensors_alive_together_and_forgets_freed_ones():
+    import torch
+    with workbook.PeakBytes() as peak:
+        a = torch.ones(1000)                 # 4,000 B
+        b = a * 2                            # 8,000 B alive
+        del b
+        c = a + 1                            # b freed: still 8,000
+        del c                                # freed: 4,000 once the next op runs
+        d = a.view(10, 100)                  # a view: no new storage
+        d.add_(1)                            # in place: none either
+    assert peak.peak == 8000 and peak.now == 4000, (peak.peak, peak.now)     # never freeing: 12,000 and 12,000
+
+
+def test_machine_names_the_cpu_and_the_cores_this_process_may_use():
+    import os
+    name, cores = workbook.machine().rsplit(", ", 1)
+    assert name and cores == f"{len(os.sched_getaffinity(0))} cores"
+    cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if "model name" in cpuinfo:
+        assert f": {name}\n" in cpuinfo

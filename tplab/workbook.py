@@ -1,11 +1,15 @@
 """Small conveniences every notebook uses: one place to pick the model, a deterministic setup,
-and a ledger of checks that the last cell asserts."""
+a ledger of checks that the last cell asserts, and instruments for watching the engine run."""
+import contextlib
 import json
 import os
 import random
 from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tplab.distributed.launcher import pick_backend
 from tplab.exercises import cells as exercise_cells
@@ -57,6 +61,59 @@ def ops_of(fn) -> set[str]:
     return {e.name for e in prof.events()}
 
 
+@contextlib.contextmanager
+def watch(obj, method: str, record):
+    """While on, every call of ``obj.<method>`` runs as before, and then appends ``record(result, *args)`` to the
+    list it yields: what a cell wants to see of each call, taken as it returns (the engine may change the
+    arguments later). ``obj`` gets its own method back when the block ends, even on an error."""
+    original, own = getattr(obj, method), method in vars(obj)
+    seen = []
+
+    def watched(*args, **kwargs):
+        result = original(*args, **kwargs)
+        seen.append(record(result, *args, **kwargs))
+        return result
+
+    setattr(obj, method, watched)
+    try:
+        yield seen
+    finally:
+        if own:
+            setattr(obj, method, original)
+        else:
+            delattr(obj, method)
+
+
+class PeakBytes(TorchDispatchMode):
+    """While on (``with PeakBytes() as peak``): ``peak.peak``, the most bytes that tensors made by ops held at
+    once. A dispatch mode sees every op's outputs; a weak reference to each new storage says when it is freed.
+    Views and in-place results make no new storage; what a kernel allocates inside itself is not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0          # storage -> bytes, their sum now, its largest
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for gone in [ref for ref in self.live if ref.expired()]:          # freed since the last op
+            self.now -= self.live.pop(gone)
+        inputs = {_storage(t) for t in tree_leaves((args, kwargs))}
+        for t in tree_leaves(out):
+            ref = _storage(t)
+            if ref is not None and ref not in inputs and ref not in self.live:
+                self.live[ref] = t.untyped_storage().nbytes()
+                self.now += self.live[ref]
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+def _storage(t) -> StorageWeakRef | None:
+    """A weak reference to a plain tensor's storage; None for anything else (a packed weight has none to see)."""
+    if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_mkldnn:
+        return StorageWeakRef(t.untyped_storage())
+    return None
+
+
 def _bench_rows(data) -> list[dict]:
     """The result rows (dicts with a positive "ratio"), wherever a results file keeps them."""
     if isinstance(data, dict):
@@ -101,6 +158,17 @@ def show_bench_results() -> None:
         print(f"{r.get('name', '?').strip()[:58]:<58} | {r.get('tplab', float('nan')):9.4g} | "
               f"{r.get('reference', float('nan')):9.4g} | {r.get('unit', ''):<8} | {r['ratio']:6.3g} | "
               f"{_better(r):<6} | {r.get('target') or '-'} {met}")
+
+
+def machine() -> str:
+    """This machine as a measurement should name it: the CPU's model (Linux's /proc/cpuinfo, else platform's)
+    and the cores this process may run on."""
+    import platform
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{names[0] if names else platform.processor() or 'an unrecorded CPU'}, {cores} cores"
 
 
 def backend_for(world_size: int) -> str:
