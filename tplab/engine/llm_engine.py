@@ -18,7 +18,7 @@ from tplab.engine.config import EngineConfig, default_batched_tokens
 from tplab.engine.kv_cache import kv_cache_spec, num_kv_blocks, static_max_blocks
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import ModelRunner
-from tplab.engine.pipeline_loop import InFlight, PipelineLoop, check_stages
+from tplab.engine.pipeline_loop import PipelineLoop, check_stages
 from tplab.engine.progress import Progress
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
@@ -107,8 +107,7 @@ class LLMEngine:
         # under pipeline parallelism: this rank's stage, running the p batches in flight one tick a step
         self.pipeline = (PipelineLoop(self.runner, stage, cfg.hf_config.hidden_size, cfg.dtype, self.lockstep)
                          if pp > 1 else None)
-        self.in_flight: list[InFlight | None] = [None] * pp                # per virtual engine (PP only)
-        self.num_ticks = self.num_idle = 0
+        self.num_idle = 0                  # steps in a row that ran nothing (_check_progress)
         self.num_steps = 0                 # batches run to the end (postprocessed)
 
     def _scheduler(self) -> Scheduler:
@@ -146,7 +145,8 @@ class LLMEngine:
         except BaseException:               # an error or Ctrl-C: nothing of this call is left for the next one
             for scheduler in self.schedulers:
                 scheduler.abort_all(self._block_manager())
-            self.in_flight = [None] * len(self.schedulers)
+            if self.pipeline is not None:
+                self.pipeline.clear()
             raise
         finally:
             if bar is not None:
@@ -159,7 +159,8 @@ class LLMEngine:
         min(self.schedulers, key=lambda sch: len(sch.waiting) + len(sch.running)).add(seq)
 
     def has_unfinished(self) -> bool:
-        return any(self.in_flight) or any(sch.has_work() for sch in self.schedulers)
+        in_flight = self.pipeline is not None and self.pipeline.busy()
+        return in_flight or any(sch.has_work() for sch in self.schedulers)
 
     def step(self) -> list[Sequence]:
         """One step of the engine: schedule a batch, run it through this rank's model, postprocess the tokens
@@ -177,18 +178,14 @@ class LLMEngine:
             self.num_steps += 1
             return self.scheduler.postprocess(batch, tokens)                            # 3. postprocess
 
-        tick, p = self.num_ticks, len(self.schedulers)
-        self.num_ticks += 1
-        v = tick % p
-        if self.in_flight[v] is None and self.schedulers[v].has_work():
-            batch = self.schedulers[v].schedule()                                       # 1. schedule
-            self.in_flight[v] = InFlight(tick, batch) if batch else None
-        self._check_progress(idle=not any(self.in_flight))
-        done = self.pipeline.run(tick, self.in_flight)                     # 2. run: (engine, sampled tokens)
-        if done is None:
+        v = self.pipeline.to_schedule()                    # tick mod p; None while its last batch is in flight
+        ready = v is not None and self.schedulers[v].has_work()
+        batch = self.schedulers[v].schedule() if ready else []                          # 1. schedule
+        self._check_progress(idle=not batch and not self.pipeline.busy())
+        done = self.pipeline.run(v, batch)                 # 2. run this stage's part of the tick
+        if done is None:                                   # no batch left the last stage this tick
             return []
-        v, tokens = done
-        batch, self.in_flight[v] = self.in_flight[v].batch, None
+        v, batch, tokens = done
         self.num_steps += 1
         return self.schedulers[v].postprocess(batch, tokens)                            # 3. postprocess
 

@@ -21,7 +21,7 @@ from tplab.engine.sequence import Sequence
 
 
 class InFlight(NamedTuple):
-    """A virtual engine's batch between its schedule and its postprocess (``LLMEngine.in_flight[v]``)."""
+    """A virtual engine's batch between its schedule and its postprocess (``PipelineLoop.in_flight[v]``)."""
     tick: int                      # the tick it was scheduled in: stage s runs it at tick + s
     batch: list[Sequence]
 
@@ -65,22 +65,44 @@ class PipelineLoop:
 
     def __init__(self, runner, stage, hidden_size: int, dtype: torch.dtype, lockstep: bool = False):
         self.runner, self.stage = runner, stage
+        self.decoder = runner.model.model  # the decoder stack (Qwen2Model): forward_stage runs this stage's layers
         self.hidden_size, self.dtype = hidden_size, dtype
         self.lockstep = lockstep         # an MoE model under DP: an idle tick joins its MoE layers' exchanges
+        self.in_flight: list[InFlight | None] = [None] * stage.pp_size    # per virtual engine
+        self.num_ticks = 0
         self.timeline: list[Tick] = []
 
-    def run(self, tick: int, in_flight: list[InFlight | None]) -> tuple[int, list] | None:
-        """This stage's part of tick ``tick``: the batch of virtual engine ``(tick - stage) mod p``, if it reached
-        this stage now (``in_flight[v]``: None when v has nothing in flight). Returns ``(v, tokens)``
-        for the batch the last stage finished this tick, the tokens shared with every rank; None if none did."""
-        p, s = len(in_flight), self.stage.pp_rank
-        v = (tick - s) % p
-        sampled = self._tick(tick, in_flight[v], v)
+    def to_schedule(self) -> int | None:
+        """The virtual engine whose turn it is to schedule this tick (tick mod p), or None while its last batch
+        is still in flight."""
+        v = self.num_ticks % len(self.in_flight)
+        return v if self.in_flight[v] is None else None
+
+    def busy(self) -> bool:
+        """Whether a batch is in flight."""
+        return any(self.in_flight)
+
+    def clear(self) -> None:
+        """Forget the batches in flight (``generate`` stopped by an error)."""
+        self.in_flight = [None] * len(self.in_flight)
+
+    def run(self, v: int | None, batch: list[Sequence]) -> tuple[int, list[Sequence], list] | None:
+        """One tick: ``batch`` (empty: none) enters the pipeline as virtual engine ``v``'s, this stage runs the
+        batch of virtual engine ``(tick - stage) mod p`` if it reached this stage now. Returns ``(v, batch,
+        tokens)`` for the batch the last stage finished this tick, the tokens shared with every rank; None if
+        none did."""
+        tick, p = self.num_ticks, len(self.in_flight)
+        self.num_ticks += 1
+        if batch:
+            self.in_flight[v] = InFlight(tick, batch)
+        mine = (tick - self.stage.pp_rank) % p
+        sampled = self._tick(tick, self.in_flight[mine], mine)
         last = (tick - p + 1) % p                           # the engine whose batch the last stage ran
-        job = in_flight[last]
+        job = self.in_flight[last]
         if job is None or job.tick != tick - p + 1:
             return None
-        return last, self._share(job.batch, sampled)
+        self.in_flight[last] = None
+        return last, job.batch, self._share(job.batch, sampled)
 
     def _tick(self, tick: int, job: InFlight | None, v: int):
         """This stage's part of tick ``tick``: the batch of virtual engine ``v`` if it reached this stage now."""
@@ -94,10 +116,10 @@ class PipelineLoop:
         input_ids, meta = self.runner.prepare(seqs)
         received = None
         if not stage.has_embedding:                          # (rows, E) twice from the previous stage
-            rows = self.runner.model.model.boundary_rows(input_ids.shape[0])
+            rows = self.decoder.boundary_rows(input_ids.shape[0])
             received = stage.recv(rows, self.hidden_size, self.dtype, self.runner.device)
         busy = time.monotonic()
-        out = self.runner.model.model.forward_stage(input_ids, received, self.runner.kv_caches_of[v], meta)
+        out = self.decoder.forward_stage(input_ids, received, self.runner.kv_caches_of[v], meta)
         sampled = None
         if stage.has_head:
             sampled = self.runner.sample(seqs, meta.last_token_rows(), out)
