@@ -10,6 +10,7 @@ from safetensors import safe_open
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, launch, models
 from tplab.distributed.launcher import RankError
+from tplab.engine.block_manager import BlockManager
 from tplab.models.pipeline import layer_range
 
 # 8 prompts of 2-31 tokens: with p = 2 or 4 virtual engines (prompts dealt out in turn) prompts 2 and 6 share
@@ -193,3 +194,55 @@ def test_a_stage_part_that_breaks_the_contract_is_refused_before_it_runs(deep):
     with pytest.raises(RankError, match=r"pipeline stage 1 owns layers \[0, 1, 2, 3, 4\]: each stage needs a "
                                         r"non-empty run of consecutive layers starting where the previous"):
         LLM(deep, pipeline_parallel_size=2, parts={"pipeline_stage": EveryLayerStage})
+
+
+
+
+class _RaisesOnceAdmitting(BlockManager):
+    """tplab's block manager, raising once per rank when a scheduler admits sequence number ``FAIL_AT``: every
+    rank runs the same schedulers (SPMD), so they all raise in the same tick."""
+    FAIL_AT, admitted = 0, 0
+
+    def allocate(self, seq, num_cached_blocks: int = 0) -> None:
+        type(self).admitted += 1
+        if type(self).admitted == self.FAIL_AT:
+            raise RuntimeError("a learner's block manager fails once")
+        super().allocate(seq, num_cached_blocks)
+
+
+def _raised_then_again(model: str, fail_at: int):
+    """In each of 2 ranks, as under torchrun (an engine per process, which lives on after an error): a generate
+    that raised on every rank, then the same prompts again. (raised, the second call's tokens or its error, blocks
+    in use)."""
+    from tplab.engine.config import engine_config
+    from tplab.engine.worker import Worker
+    _RaisesOnceAdmitting.FAIL_AT = fail_at
+    worker = Worker(engine_config(model, pipeline_parallel_size=2, num_kv_blocks=24, device="cpu",
+                                  parts={"block_manager": _RaisesOnceAdmitting}, **ENGINE))
+    params = [GREEDY] * len(PROMPTS)
+    try:
+        worker.generate(PROMPTS, params)
+        raised = False
+    except RuntimeError:
+        raised = True
+    try:
+        again = [tokens for tokens, _, _ in worker.generate(PROMPTS, params)]
+    except RuntimeError as e:
+        again = str(e)
+    return raised, again, worker.stats()["kv_blocks_in_use"]
+
+
+@pytest.mark.parametrize("fail_at", [1, 4])
+def test_a_generate_that_raised_with_batches_between_stages_is_refused_after_not_hung(deep, fail_at):
+    """Under torchrun an engine lives on after an error. Raised before any batch left stage 0 (the first
+    admission), the next ``generate`` is right; raised with batches between stages (the fourth), stage 0 has
+    sent what stage 1 will never receive, and the next ``generate`` is refused with what to do instead of
+    hanging in its first send."""
+    with LLM(deep, pipeline_parallel_size=2, num_kv_blocks=24, **ENGINE) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    for raised, again, in_use in launch(_raised_then_again, 2, args=(str(deep), fail_at), timeout=120):
+        assert raised and in_use == 0
+        if fail_at == 1:
+            assert again == want
+        else:
+            assert "stopped with batches between pipeline stages" in again and "create a new LLM" in again

@@ -70,6 +70,7 @@ class PipelineLoop:
         self.lockstep = lockstep         # an MoE model under DP: an idle tick joins its MoE layers' exchanges
         self.in_flight: list[InFlight | None] = [None] * stage.pp_size    # per virtual engine
         self.num_ticks = 0
+        self.stranded = False            # a generate stopped with batches between stages (clear)
         self.timeline: list[Tick] = []
 
     def to_schedule(self) -> int | None:
@@ -83,7 +84,9 @@ class PipelineLoop:
         return any(self.in_flight)
 
     def clear(self) -> None:
-        """Forget the batches in flight (``generate`` stopped by an error)."""
+        """Forget the batches in flight (``generate`` stopped by an error). A batch in flight has left a stage,
+        and the next stage will never receive what it sent: then this loop refuses to run again."""
+        self.stranded = self.stranded or self.busy()
         self.in_flight = [None] * len(self.in_flight)
 
     def run(self, v: int | None, batch: list[Sequence]) -> tuple[int, list[Sequence], list] | None:
@@ -91,6 +94,9 @@ class PipelineLoop:
         batch of virtual engine ``(tick - stage) mod p`` if it reached this stage now. Returns ``(v, batch,
         tokens)`` for the batch the last stage finished this tick, the tokens shared with every rank; None if
         none did."""
+        if self.stranded:
+            raise RuntimeError("an earlier generate stopped with batches between pipeline stages, whose sends no "
+                               "stage will receive: this engine cannot run again; create a new LLM")
         tick, p = self.num_ticks, len(self.in_flight)
         self.num_ticks += 1
         if batch:
