@@ -215,7 +215,7 @@ def _kv_cache_with_rank_1_short_of_memory(model):
     short = SimpleNamespace(available=1000) if dist.get_rank() == 1 else psutil.virtual_memory()
     with mock.patch.object(kv_cache.psutil, "virtual_memory", return_value=short):
         try:
-            return kv_cache.num_kv_blocks(cfg, kv_cache.kv_cache_spec(cfg), torch.device("cpu"))
+            return kv_cache.kv_blocks_per_batch(cfg, kv_cache.kv_cache_spec(cfg), torch.device("cpu"))
         except ValueError as e:
             return str(e)
 

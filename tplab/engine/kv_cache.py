@@ -34,7 +34,7 @@ def kv_cache_budget(device: torch.device, num_ranks: int) -> int:
     return min(psutil.virtual_memory().available // 10 // num_ranks, 4 << 30)
 
 
-def num_kv_blocks(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+def kv_blocks_per_batch(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
     """Blocks for each batch in flight on this rank (one batch, or one per pipeline stage, each with its own
     share): from ``num_kv_blocks`` or the memory budget, never more than ``max_num_seqs`` sequences of
     ``max_position_embeddings`` tokens can use, and the same on every rank."""

@@ -278,7 +278,7 @@ class LLM:
 
     def _check_lengths(self, token_lists, params):
         limit = self.config.hf_config.max_position_embeddings
-        blocks, block_size = self.rank_info[0]["num_kv_blocks"], self.config.block_size
+        blocks, block_size = self.rank_info[0]["kv_blocks_per_batch"], self.config.block_size
         pp = self.config.pipeline_parallel_size
         share = f" (for each of the {pp} batches in flight under pipeline parallelism)" if pp > 1 else ""
         for i, (ids, p) in enumerate(zip(token_lists, params)):

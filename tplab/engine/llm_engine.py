@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tplab.distributed.parallel_state import dp_any, init_model_parallel, pp_rank_and_size, tp_rank_and_size
 from tplab.engine.checks import install_finite_check
 from tplab.engine.config import EngineConfig, default_batched_tokens
-from tplab.engine.kv_cache import kv_cache_spec, num_kv_blocks, static_max_blocks
+from tplab.engine.kv_cache import kv_blocks_per_batch, kv_cache_spec, static_max_blocks
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import ModelRunner
 from tplab.engine.pipeline_loop import PipelineLoop, check_stages
@@ -66,7 +66,7 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     return model.eval(), report
 
 
-def static_decode_builder(cfg: EngineConfig, device: torch.device):
+def static_decode_maker(cfg: EngineConfig, device: torch.device):
     """``Parts.static_decode`` with the config's sizes, for ``ModelRunner`` to build over its KV cache (None
     where decode steps run eagerly at their own shapes)."""
     if not cfg.static_decode:
@@ -96,9 +96,9 @@ class LLMEngine:
                        "pipeline parallelism runs the layers stage by stage" if pp > 1 else None)
             compile_model(self.model, eager_because=why_not)
         spec = kv_cache_spec(cfg, num_layers=len(stage.kv_cache_layers))
-        self.runner = ModelRunner(self.model, spec, num_kv_blocks(cfg, spec, self.device), self.device,
+        self.runner = ModelRunner(self.model, spec, kv_blocks_per_batch(cfg, spec, self.device), self.device,
                                   cfg.parts.positions, stage.kv_cache_layers, num_virtual_engines=pp,
-                                  static_decode=static_decode_builder(cfg, self.device), attend=cfg.parts.attend)
+                                  make_static_decode=static_decode_maker(cfg, self.device), attend=cfg.parts.attend)
         # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
         self.schedulers = [self._scheduler() for _ in range(pp)]
         self.scheduler = self.schedulers[0]                                # the only one without PP

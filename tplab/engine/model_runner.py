@@ -61,7 +61,7 @@ class ModelRunner:
     (``kv_caches_of[v]``); ``kv_caches[i]`` is layer i's cache of the first, the only one without PP."""
 
     def __init__(self, model, spec: KVCacheSpec, num_blocks: int, device: torch.device, positions_of=token_positions,
-                 kv_layers=None, num_virtual_engines: int = 1, static_decode=None, attend=None):
+                 kv_layers=None, num_virtual_engines: int = 1, make_static_decode=None, attend=None):
         self.model, self.device = model, torch.device(device)
         self.attend = attend                        # Parts.attend: one that attends a step's decodes together
                                                     # is handed their blocks, made here before the forward
@@ -69,14 +69,14 @@ class ModelRunner:
                                                     # takes the positions the cache lengths give
         self.num_blocks = num_blocks                # the block manager's; a static decode adds a scratch block
         kv_layers = range(spec.num_layers) if kv_layers is None else kv_layers
-        allocated = num_blocks + (static_decode is not None)
+        allocated = num_blocks + (make_static_decode is not None)
         self.kv_caches_of = [spread(spec.allocate(allocated, self.device), kv_layers)
                              for _ in range(num_virtual_engines)]
         self.kv_caches = self.kv_caches_of[0]
         self.metadata = MetadataBuilder(spec.block_size, self.device)
-        # static_decode(model, kv_caches, scratch_block, positions_of): the decode steps at fixed shapes, or None
-        self.static = (None if static_decode is None
-                       else static_decode(model, self.kv_caches, num_blocks, positions_of))
+        # make_static_decode(model, kv_caches, scratch_block, positions_of): the decode steps at fixed shapes
+        self.static = (None if make_static_decode is None
+                       else make_static_decode(model, self.kv_caches, num_blocks, positions_of))
 
     def kv_cache_bytes(self) -> int:
         """Bytes of every layer's ``(k, v)`` caches, over the batches in flight."""

@@ -47,7 +47,8 @@ class Parts:
     attention: type = Attention                     # writes K/V into the paged cache, then attends
     attend: Callable = sdpa_attend                  # softmax(q k^T) v under the causal mask
     apply_rope: Callable = apply_rotary             # rotate q, k by cos/sin
-    positions: Callable = token_positions           # a step's token positions, checked against the cache
+    positions: Callable = token_positions           # a step's token positions: checked against the cache
+                                                    # lengths (a wrong one raises), never used in their place
     load_weights: Callable = load_weights           # checkpoint -> this rank's parameters
     block_manager: type = BlockManager              # which KV blocks each sequence holds
     sp_norm_region: type = SequenceParallelNormRegion   # sequence parallel: reduce-scatter, + residual, norm, gather

@@ -14,7 +14,8 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None
     num_cached_tokens: int = 0           # tokens whose K/V are already in the cache
-    num_scheduled_tokens: int = 0        # tokens the scheduler gave the current step (0: not scheduled)
+    num_scheduled_tokens: int = 0        # tokens the scheduler gave the current step (0: none given;
+                                         # num_new_tokens then counts every uncached one)
     num_prefill_tokens: int = 0          # tokens it had when (re)admitted: its prefill ends when they are cached
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of its full blocks (prefix caching)

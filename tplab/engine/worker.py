@@ -25,7 +25,7 @@ class Worker:
         params = {id(p): p for p in engine.model.parameters()}.values()
         return {"param_bytes": sum(p.numel() * p.element_size() for p in params),
                 "elements_read": engine.load_report.elements_read,      # from the checkpoint files
-                "num_kv_blocks": engine.runner.num_blocks}
+                "kv_blocks_per_batch": engine.runner.num_blocks}   # under PP: each batch in flight's share
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams], use_tqdm: bool = False,
                  shares: list[list[int]] | None = None) -> list[tuple[list[int], list[float], str]]:

@@ -57,8 +57,8 @@ def decode_blocks(query_lens: list[int], context_lens: list[int], block_tables: 
 
 @dataclass(frozen=True)
 class PaddedDecode:
-    """A decode step at fixed shapes, for ``attend_decodes``: row b's keys are the first ``context_lens[b]``
-    slots of its blocks ``block_tables[b]``; every row is one decode query."""
+    """A decode step at fixed shapes, for ``padded_decode`` (``SdpaAttend.attend_step`` hands it over): row b's
+    keys are the first ``context_lens[b]`` slots of its blocks ``block_tables[b]``; every row is one decode query."""
     block_tables: torch.Tensor    # (Bp, W) long: each row's blocks, padded to W with blocks it does not read
     context_lens: torch.Tensor    # (Bp,) long: each row's keys (cached + its new one), at least 1
     block_size: int               # slots per block
