@@ -1,5 +1,5 @@
 """How big one rank's paged KV cache is: its layout (``kv_cache_spec``), the memory it may take
-(``kv_cache_budget``, less the CUDA graphs' pool) and the blocks that makes (``num_kv_blocks``), the same
+(``kv_cache_budget``, less the CUDA graphs' pool) and the blocks that makes (``kv_blocks_per_batch``), the same
 on every rank.
 """
 import psutil
