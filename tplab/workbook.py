@@ -3,6 +3,7 @@ a ledger of checks that the last cell asserts, and instruments for watching the 
 import contextlib
 import json
 import os
+import platform
 import random
 from pathlib import Path
 
@@ -163,7 +164,6 @@ def show_bench_results() -> None:
 def machine() -> str:
     """This machine as a measurement should name it: the CPU's model (Linux's /proc/cpuinfo, else platform's)
     and the cores this process may run on."""
-    import platform
     cpuinfo = Path("/proc/cpuinfo")
     names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
              if line.startswith("model name")]
