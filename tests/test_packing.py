@@ -279,6 +279,8 @@ def test_an_engine_of_one_sequence_keeps_plain_fp32_weights_on_amd_and_matches_h
     vendor("AuthenticAMD")
     assert gemm.one_row_keeps_plain(torch.float32, 1)
     assert not gemm.one_row_keeps_plain(torch.float32, 2) and not gemm.one_row_keeps_plain(torch.bfloat16, 1)
+    assert not Gemm.choose(True, True, torch.float32, max_num_seqs=1).pack
+    assert Gemm.choose(True, True, torch.float32, max_num_seqs=2).pack and Gemm.choose(True, True).pack
     chosen, process = [], llm_engine.hand_out_linear_methods
     monkeypatch.setattr(llm_engine, "hand_out_linear_methods",
                         lambda model, methods: chosen.append(methods) or process(model, methods))

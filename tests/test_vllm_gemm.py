@@ -13,7 +13,7 @@ from conftest import hf_greedy, needs_vllm_kernels
 from test_bf16 import NEW, assert_agrees_with_hf_bf16, hf_bf16_reference  # noqa: F401 (a fixture)
 from tplab import LLM, SamplingParams, models
 from tplab.engine import config
-from tplab.kernels import vllm_cpu, vllm_gemm
+from tplab.kernels import gemm, vllm_cpu, vllm_gemm
 from tplab.kernels.gemm import PLAIN_WITH_MKL, Gemm, mkl_fast_here
 from tplab.kernels.vllm_attention import VllmCpuAttention
 from tplab.kernels.vllm_gemm import VllmCpuGemm, VllmMatmul
@@ -123,10 +123,21 @@ def test_weights_kept_readable_multiply_as_tplab():
 
 
 @needs_vllm_kernels
+def test_an_engine_of_one_sequence_on_amd_keeps_the_kernels_asked_for(monkeypatch):
+    """tplab's ``Gemm`` keeps fp32 weights plain on AMD at ``max_num_seqs=1`` (oneDNN's one-row kernel); a
+    config that asked for vLLM's kernels still gets them there."""
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(gemm, "mkl_fast_here", lambda: False)
+    assert not Gemm.choose(True, True, torch.float32, max_num_seqs=1).pack
+    chosen = VllmCpuGemm.choose(True, True, torch.float32, max_num_seqs=1)
+    assert type(chosen) is VllmCpuGemm and chosen.pack
+
+
+@needs_vllm_kernels
 def test_with_onednn_off_every_weight_goes_to_the_kernels():
     """``onednn=False`` (``TPLAB_ONEDNN=0``): no weight stays plain for torch's oneDNN op or MKL."""
-    gemm = VllmCpuGemm.choose(False, True, torch.float32)
-    assert type(gemm) is VllmCpuGemm and not gemm.onednn and not gemm.few_rows_mkl
+    chosen = VllmCpuGemm.choose(False, True, torch.float32)
+    assert type(chosen) is VllmCpuGemm and not chosen.onednn and not chosen.few_rows_mkl
 
 
 def test_a_library_without_the_brgemm_kernel_multiplies_bf16_on_onednn(monkeypatch):

@@ -23,7 +23,6 @@ from tplab.engine.progress import Progress
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.scheduler import Scheduler
 from tplab.engine.sequence import Sequence
-from tplab.kernels.gemm import one_row_keeps_plain
 from tplab.layers.linear_method import hand_out_linear_methods
 from tplab.models.loader import LoadReport, checkpoint_names
 from tplab.models.pipeline import other_stages_names
@@ -60,8 +59,8 @@ def build_model(cfg: EngineConfig, device, tp_rank: int | None = None, tp_size: 
     if pp_size > 1:   # the other stages' tensors are theirs to read
         skip |= other_stages_names(model, checkpoint_names(cfg.model))
     report = cfg.parts.load_weights(model, cfg.model, skip=skip)
-    pack = pack and cfg.pack_weights and not one_row_keeps_plain(cfg.dtype, cfg.max_num_seqs)
-    gemm = cfg.parts.gemm.choose(cfg.onednn, pack, cfg.dtype, cfg.few_rows_mkl)
+    gemm = cfg.parts.gemm.choose(cfg.onednn, pack and cfg.pack_weights, cfg.dtype, cfg.few_rows_mkl,
+                                 cfg.max_num_seqs)
     hand_out_linear_methods(model, gemm)
     return model.eval(), report
 

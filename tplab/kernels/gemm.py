@@ -47,7 +47,7 @@ def mkl_fast_here() -> bool:
     return torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
 
 
-def one_row_keeps_plain(dtype: torch.dtype, max_num_seqs: int) -> bool:
+def one_row_keeps_plain(dtype: torch.dtype, max_num_seqs: int | None) -> bool:
     """Whether an engine that decodes one sequence at a time (``max_num_seqs=1``: every decode step a
     product of one row) keeps its fp32 weights plain rather than packing them: on AMD oneDNN's one-row
     kernel streams the plain layout faster than the packed one, but two rows take it longer, so only an
@@ -109,13 +109,15 @@ class Gemm:
 
     @classmethod
     def choose(cls, onednn: bool, pack: bool, dtype: torch.dtype = torch.float32,
-               few_rows_mkl: bool = True) -> "Gemm":
-        """What this machine can do of what was asked, for weights and activations of ``dtype``. MKL for few
-        rows only beside oneDNN (without it every product is ``F.linear`` already), in fp32 (MKL has no fast
-        bf16 matrix-vector product), and where MKL is fast (``mkl_fast_here``)."""
+               few_rows_mkl: bool = True, max_num_seqs: int | None = None) -> "Gemm":
+        """What this machine can do of what was asked, for weights and activations of ``dtype``, in an engine
+        of at most ``max_num_seqs`` sequences a step (None: any). MKL for few rows only beside oneDNN (without
+        it every product is ``F.linear`` already), in fp32 (MKL has no fast bf16 matrix-vector product), and
+        where MKL is fast (``mkl_fast_here``); no packing where one row a step is faster plain
+        (``one_row_keeps_plain``)."""
         onednn = onednn and onednn_available(dtype)
-        return cls(onednn, onednn and pack and packing_available(dtype),
-                   onednn and few_rows_mkl and dtype == torch.float32 and mkl_fast_here())
+        pack = onednn and pack and packing_available(dtype) and not one_row_keeps_plain(dtype, max_num_seqs)
+        return cls(onednn, pack, onednn and few_rows_mkl and dtype == torch.float32 and mkl_fast_here())
 
     def method_for(self, prefix: str) -> "GemmMethod":
         """The method of the layer called ``prefix`` (its module name, vLLM's ``prefix``), one per layer: the

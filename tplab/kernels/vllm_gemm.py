@@ -77,10 +77,11 @@ class VllmCpuGemm(Gemm):
 
     @classmethod
     def choose(cls, onednn: bool, pack: bool, dtype: torch.dtype = torch.float32,
-               few_rows_mkl: bool = True) -> Gemm:
-        """vLLM's kernels for every weight a layer packs; on Intel in fp32 the MKL layers' weights kept plain,
-        as tplab's ``Gemm`` keeps them (not with ``onednn`` off: then every weight goes to the kernels). With
-        ``pack`` False (weights kept readable), tplab's ``Gemm`` as it would be chosen."""
+               few_rows_mkl: bool = True, max_num_seqs: int | None = None) -> Gemm:
+        """vLLM's kernels for every weight a layer packs, at any ``max_num_seqs`` (tplab's ``Gemm`` keeps one
+        row a step plain on AMD for oneDNN's sake, not theirs); on Intel in fp32 the MKL layers' weights kept
+        plain, as tplab's ``Gemm`` keeps them (not with ``onednn`` off: then every weight goes to the kernels).
+        With ``pack`` False (weights kept readable), tplab's ``Gemm`` as it would be chosen."""
         plain = Gemm.choose(onednn, pack, dtype, few_rows_mkl)   # also how the weights kept plain multiply
         if not pack:
             return plain
