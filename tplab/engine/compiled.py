@@ -187,7 +187,9 @@ class CompiledForward:
         except Exception as e:
             if not while_compiling(e):
                 raise
-            self.fall_back(f"compiling failed ({type(getattr(e, 'inner_exception', None) or e).__name__})")
+            cause = getattr(e, "inner_exception", None) or e
+            first_line = (str(cause).strip().splitlines() or [""])[0][:160]
+            self.fall_back(f"compiling failed ({type(cause).__name__}: {first_line})")
             return self.eager(input_ids, kv_caches, meta)
         finally:
             _step.update(kv_caches=None, meta=None, attentions=None, linears=None)

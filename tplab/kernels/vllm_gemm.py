@@ -12,6 +12,7 @@ tokens equal HF's, logprobs within ``tolerance``'s bound (``tests/test_vllm_gemm
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from tplab.kernels.gemm import Gemm, onednn_available
 from tplab.kernels.vllm_cpu import BRGEMM_OPS, DTYPES, cannot_run_here, has_ops, require
@@ -35,12 +36,12 @@ class VllmMatmul:
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
         self.brgemm = brgemm_fits(weight)
-        self.handler = None
+        self.handler_id = self.handler = None     # the oneDNN primitive's address, and as the op takes it
         if self.brgemm:
             self.packed = torch.ops._C.convert_weight_packed(weight.contiguous())
         else:
-            self.handler = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), PRIMITIVE_CACHE),
-                                        dtype=torch.int64)
+            self.handler_id = torch.ops._C.create_onednn_mm_handler(weight.t(), PRIMITIVE_CACHE)
+            self.handler = torch.tensor(self.handler_id, dtype=torch.int64)
         self._bias32 = (None, None)     # the brgemm kernel adds an fp32 bias: the layer's, converted once
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,8 +61,11 @@ class VllmMatmul:
         return self._bias32[1]
 
     def __del__(self):
-        if getattr(self, "handler", None) is not None:
-            torch.ops._C.release_dnnl_matmul_handler(self.handler.item())
+        """Frees the kernel's copy. The garbage collector may call this while torch.compile traces another
+        model under its fake-tensor modes: the release runs outside them, from the int kept at creation."""
+        if getattr(self, "handler_id", None) is not None:
+            with _disable_current_modes():
+                torch.ops._C.release_dnnl_matmul_handler(self.handler_id)
 
 
 @dataclass(frozen=True)
