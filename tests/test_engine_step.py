@@ -49,7 +49,6 @@ def test_steps_serve_requests_added_one_at_a_time(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=5)
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
     want = [s.output_token_ids for s in engine.generate(prompts, [params] * 3)]
-    engine.runner.metadata.clear()
     seqs = [Sequence(i, p, len(p), params, None) for i, p in enumerate(prompts)]
     engine.add_request(seqs[0])
     finished, steps = [], 0
@@ -61,6 +60,7 @@ def test_steps_serve_requests_added_one_at_a_time(checkpoint):
             engine.add_request(seqs[2])
     assert sorted(s.seq_id for s in finished) == [0, 1, 2]
     assert [s.output_token_ids for s in seqs] == want
+    assert engine.runner.metadata._slots == {}               # each finished sequence's slots forgotten by step
 
 
 def test_llm_engine_is_this_processs_engine_and_refused_where_ranks_run_elsewhere(checkpoint):

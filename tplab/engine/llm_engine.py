@@ -138,7 +138,6 @@ class LLMEngine:
             with torch.inference_mode():
                 while dp_any(self.has_unfinished()) if self.lockstep else self.has_unfinished():
                     for seq in self.step():
-                        self.runner.forget(seq)
                         if bar is not None:
                             bar.finished(seq)
         except BaseException:               # an error or Ctrl-C: nothing of this call is left for the next one
@@ -163,9 +162,10 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """One step of the engine: schedule a batch, run it through this rank's model, postprocess the tokens
-        it sampled. Returns the sequences that finished. Under pipeline parallelism (p stages) a step is one
-        tick: virtual engine ``tick mod p`` schedules its next batch, this rank's stage runs the batch that
-        reached it, and the batch that the last stage finished is postprocessed (``PipelineLoop``)."""
+        it sampled. Returns the sequences that finished (the runner forgets their cache slots). Under pipeline
+        parallelism (p stages) a step is one tick: virtual engine ``tick mod p`` schedules its next batch, this
+        rank's stage runs the batch that reached it, and the batch that the last stage finished is postprocessed
+        (``PipelineLoop``)."""
         if self.pipeline is None:
             batch = self.scheduler.schedule() if self.scheduler.has_work() else []     # 1. schedule
             self._check_progress(idle=not batch)
@@ -175,7 +175,9 @@ class LLMEngine:
                 return []
             tokens = self.runner.step(batch)                                            # 2. run
             self.num_steps += 1
-            return self.scheduler.postprocess(batch, tokens)                            # 3. postprocess
+            finished = self.scheduler.postprocess(batch, tokens)                        # 3. postprocess
+            self.runner.forget(finished)
+            return finished
 
         v = self.pipeline.to_schedule()                    # tick mod p; None while its last batch is in flight
         ready = v is not None and self.schedulers[v].has_work()
@@ -186,7 +188,9 @@ class LLMEngine:
             return []
         v, batch, tokens = done
         self.num_steps += 1
-        return self.schedulers[v].postprocess(batch, tokens)                            # 3. postprocess
+        finished = self.schedulers[v].postprocess(batch, tokens)                        # 3. postprocess
+        self.runner.forget(finished)
+        return finished
 
     def _check_progress(self, idle: bool) -> None:
         """Raise when requests are left but more steps in a row than there are batches in flight ran nothing:

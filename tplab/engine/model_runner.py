@@ -123,6 +123,7 @@ class ModelRunner:
             out[b] = (token, logprob)
         return out
 
-    def forget(self, seq: Sequence) -> None:
-        """Drop what the metadata builder keeps for a finished sequence."""
-        self.metadata.forget(seq.seq_id)
+    def forget(self, finished: list[Sequence]) -> None:
+        """Drop the cache slots the metadata builder keeps for these finished sequences."""
+        for seq in finished:
+            self.metadata.forget(seq.seq_id)
