@@ -5,7 +5,8 @@ parallelism the experts' all-to-all over every rank (``all_to_all``, ``ep_all_ga
 Layers take ``tp_rank``/``tp_size`` explicitly so that one process can build every rank's shard (tests and
 notebooks do); left as ``None`` they come from this stage's TP group, as inside a rank started by
 ``tplab.launch`` or ``torchrun``. How collectives travel (shared memory between CPU ranks of one host, else
-the process group) is decided once per group by ``init_tp_comm()`` or ``init_model_parallel(t, p, d)``
+the process group) is set up once per group by ``init_tp_comm()`` or ``init_model_parallel(t, p, d)``, and a
+tensor too big for a shared-memory slot takes the process group
 (``tplab.distributed.layout``, which defines the groups and the ``*_rank_and_size`` readers; they are
 imported here so that a layer takes everything distributed from this one module, as vLLM's layers do).
 ``count_collectives()`` records the collectives a block of code runs (notebook 00 counts a decode step's).
@@ -30,7 +31,7 @@ class CollectiveRecord:
     """One collective this rank ran: what, on which tensor, along which path, and how long it took."""
     op: str                      # "all_reduce", "all_gather", "reduce_scatter"; "send"/"recv" between stages;
                                  # "all_to_all" (the experts' exchange), "dp_any" (DP ranks' step check: an all-reduce)
-    shape: tuple[int, ...]       # the tensor this rank put in, e.g. (1, hidden) for a decode step's all-reduce
+    shape: tuple[int, ...]       # the tensor this rank put in, e.g. (B, hidden) for a decode step's all-reduce
     dtype: torch.dtype
     path: str                    # "shm" (shared memory) or the process group's backend, e.g. "gloo"
     seconds: float               # wall time on this rank: on a CPU (gloo, shm) the wait for the slowest rank

@@ -13,8 +13,8 @@ A block is registered when it is allocated (or filled), before the step that wri
 the scheduler never frees a prompt halfway through its prefill, and after a step that raised the
 engine starts an empty block manager (``Scheduler.abort_all``).
 
-A sequence here is anything with ``token_ids``, ``block_table``, ``block_hashes`` and
-``num_cached_tokens`` (``tplab.engine.sequence.Sequence``).
+A sequence here is anything with ``seq_id``, ``token_ids``, ``block_table``, ``block_hashes``,
+``num_cached_tokens`` and ``len(seq)``, its number of tokens (``tplab.engine.sequence.Sequence``).
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,7 +42,8 @@ class BlockManager:
       cached prefix aside), else how many of its leading full blocks are cached already;
     - ``allocate(seq, num_cached_blocks)``: a block for every token of ``seq`` in ``seq.block_table``, the
       first ``num_cached_blocks`` shared from the cache, and ``seq.num_cached_tokens`` the tokens they hold;
-    - ``can_append(seq) -> bool``, ``may_append(seq)``: room for, and a block for, ``seq``'s newest token;
+    - ``can_append(seq) -> bool``, ``may_append(seq)``: room for, and a block for, ``seq``'s newest token
+      (with prefix caching ``may_append`` also registers the block that token fills);
     - ``free(seq)``: give its blocks back (a shared one when its last user goes), empty ``seq.block_table``
       and set ``seq.num_cached_tokens`` to 0;
     - counters ``num_blocks``, ``num_used_blocks``, ``prefix_cache_hit_blocks``, ``peak_blocks_used``.
@@ -130,7 +131,8 @@ class BlockManager:
 
     def free(self, seq) -> None:
         """Return ``seq``'s blocks; a block goes back to the free list when no sequence uses it."""
-        for block_id in reversed(seq.block_table):  # the tail first: it is the least likely to be shared
+        for block_id in reversed(seq.block_table):  # tail first into the free list: reused before the prefix,
+                                                    # the part a later prompt is likeliest to share
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"

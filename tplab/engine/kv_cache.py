@@ -36,8 +36,9 @@ def kv_cache_budget(device: torch.device, num_ranks: int) -> int:
 
 def kv_blocks_per_batch(cfg: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
     """Blocks for each batch in flight on this rank (one batch, or one per pipeline stage, each with its own
-    share): from ``num_kv_blocks`` or the memory budget, never more than ``max_num_seqs`` sequences of
-    ``max_position_embeddings`` tokens can use, and the same on every rank."""
+    share), the same on every rank: ``num_kv_blocks`` split over them where it is set; else what the memory
+    budget holds, never more than ``max_num_seqs`` sequences of ``max_position_embeddings`` tokens can use,
+    and the smallest count of any rank."""
     pp = cfg.pipeline_parallel_size
     if cfg.num_kv_blocks is not None:       # at least pp: engine.config checks
         _check_free(cfg.num_kv_blocks * spec.bytes_per_block(), device, f"num_kv_blocks={cfg.num_kv_blocks}")

@@ -113,10 +113,10 @@ class LLMEngine:
         """A scheduler with its own block manager over ``runner.num_blocks`` blocks."""
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens or default_batched_tokens(self.device, cfg.hf_config)
-        return Scheduler(self._block_manager(), cfg.max_num_seqs, budget, eos_token_ids(cfg.hf_config),
+        return Scheduler(self._new_block_manager(), cfg.max_num_seqs, budget, eos_token_ids(cfg.hf_config),
                          cfg.hf_config.max_position_embeddings)
 
-    def _block_manager(self):
+    def _new_block_manager(self):
         """An empty block manager (``Parts.block_manager``) over ``runner.num_blocks`` blocks."""
         return self.cfg.parts.block_manager(self.runner.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching)
 
@@ -129,7 +129,7 @@ class LLMEngine:
         indices = range(len(prompts)) if indices is None else indices
         seqs = [Sequence(i, list(p), len(p), sp, self._generator(i, sp)) for i, p, sp in zip(indices, prompts, params)]
         bar = Progress(seqs) if use_tqdm and (not dist.is_initialized() or dist.get_rank() == 0) else None
-        self.runner.metadata.clear()           # sequence ids start again at 0 in every call
+        self.runner.metadata.clear()           # every call numbers its sequences by prompt index again
         if self.pipeline is not None:
             self.pipeline.timeline = []
         for seq in seqs:
@@ -142,7 +142,7 @@ class LLMEngine:
                             bar.finished(seq)
         except BaseException:               # an error or Ctrl-C: nothing of this call is left for the next one
             for scheduler in self.schedulers:
-                scheduler.abort_all(self._block_manager())
+                scheduler.abort_all(self._new_block_manager())
             if self.pipeline is not None:
                 self.pipeline.clear()
             raise

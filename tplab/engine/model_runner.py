@@ -88,7 +88,7 @@ class ModelRunner:
         """Run the scheduled batch: feed each sequence its ``num_new_tokens`` next tokens, and sample one
         token for each whose tokens are then all cached. Returns ``[(token, logprob)]``, None for a prompt
         chunk that is not the last. Changes no sequence: ``Scheduler.postprocess`` records the step."""
-        if self.static is not None and self.static.fits(seqs):       # every sequence decodes: fixed shapes
+        if self.static is not None and self.static.fits(seqs):       # one new token each: fixed shapes
             return self.sample(seqs, list(range(len(seqs))), self.static.forward(seqs))               # (B, E)
         input_ids, meta = self.prepare(seqs)
         hidden = self.model(input_ids, self.kv_caches, meta)                                          # (T, E)
@@ -110,16 +110,16 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], last_rows: list[int], hidden: torch.Tensor) -> list[tuple[int, float] | None]:
         """From the final hidden states ``(T, E)``, sequence b's last token in row ``last_rows[b]``:
         ``(token, logprob)`` for each sequence whose tokens are then all cached, None for the others."""
-        done = [b for b, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_new_tokens == len(seq)]
+        to_sample = [b for b, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_new_tokens == len(seq)]
         out: list[tuple[int, float] | None] = [None] * len(seqs)
-        if not done:
+        if not to_sample:
             return out
-        rows = [last_rows[b] for b in done]
+        rows = [last_rows[b] for b in to_sample]
         if rows != list(range(hidden.shape[0])):      # else every row is sampled (a decode step): no index to send
             hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))                    # (S, E)
         logits = self.model.compute_logits(hidden)                                                     # (S, V)
-        tokens, logprobs = sample(logits, [seqs[b].params for b in done], [seqs[b].generator for b in done])
-        for b, token, logprob in zip(done, tokens.tolist(), logprobs.tolist()):
+        tokens, logprobs = sample(logits, [seqs[b].params for b in to_sample], [seqs[b].generator for b in to_sample])
+        for b, token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
             out[b] = (token, logprob)
         return out
 

@@ -101,16 +101,17 @@ class PipelineLoop:
         self.num_ticks += 1
         if batch:
             self.in_flight[v] = InFlight(tick, batch)
-        mine = (tick - self.stage.pp_rank) % p
-        sampled = self._tick(tick, self.in_flight[mine], mine)
-        last = (tick - p + 1) % p                           # the engine whose batch the last stage ran
-        job = self.in_flight[last]
+        here = (tick - self.stage.pp_rank) % p              # the engine whose batch this stage may run now
+        sampled = self._run_stage(tick, self.in_flight[here], here)
+        leaving = (tick - p + 1) % p                        # the engine whose batch the last stage ran
+        job = self.in_flight[leaving]
         if job is None or job.tick != tick - p + 1:
             return None
-        self.in_flight[last] = None
-        return last, job.batch, self._share(job.batch, sampled)
+        self.in_flight[leaving] = None
+        # sampled is that batch's tokens on the last stage (there here == leaving), None on the others
+        return leaving, job.batch, self._share(job.batch, sampled)
 
-    def _tick(self, tick: int, job: InFlight | None, v: int):
+    def _run_stage(self, tick: int, job: InFlight | None, v: int):
         """This stage's part of tick ``tick``: the batch of virtual engine ``v`` if it reached this stage now."""
         start, stage = time.monotonic(), self.stage
         if job is None or job.tick != tick - stage.pp_rank:

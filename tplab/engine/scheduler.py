@@ -12,7 +12,7 @@ only there and in the block manager (``allocate`` sets the cached prefix at admi
 when it finishes or is preempted).
 
 When the blocks run out, the most recently admitted running sequence that is not in the middle of its
-prefill is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+prefill is preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
 (prompt and generated tokens alike) when there is room. Nothing is lost, and greedy output is the same.
 """
 import sys
@@ -48,17 +48,19 @@ class Scheduler:
         """The sequences of the next step, each with ``num_scheduled_tokens`` set: the running ones
         (a decode token, or a prompt's next chunk), then newly admitted prompts (whole, or a first chunk)."""
         bm, scheduled, budget = self.block_manager, [], self.max_num_batched_tokens
-        queue, self.running = self.running, []
-        while queue:
-            seq = queue.pop(0)
+        unvisited, self.running = self.running, []     # the running ones, each visited once below
+        while unvisited:
+            seq = unvisited.pop(0)
             if budget == 0:                     # no tokens left this step: it keeps its blocks and waits
                 self.running.append(seq)
                 continue
-            if self._make_room(seq, queue):
+            if self._make_room(seq, unvisited):
                 bm.may_append(seq)              # a decode's next slot (a prompt mid-prefill has all its blocks)
                 budget -= self._take(seq, budget)
                 self.running.append(seq)
                 scheduled.append(seq)
+        # budget > 0 also says every running prompt got all its remaining tokens (a partial chunk empties
+        # the budget): only then may a waiting prompt join (_make_room says why)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             num_cached_blocks = bm.can_allocate(seq)
@@ -71,8 +73,8 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
-    def _make_room(self, seq: Sequence, queue: list[Sequence]) -> bool:
-        """Preempt the newest sequences still in ``queue`` until ``seq`` can append, or ``seq`` itself when no
+    def _make_room(self, seq: Sequence, unvisited: list[Sequence]) -> bool:
+        """Preempt the newest sequences still in ``unvisited`` until ``seq`` can append, or ``seq`` itself when no
         other is left: whether ``seq`` still runs.
 
         Never a prompt in the middle of its prefill: with prefix caching the block manager registers a prompt's
@@ -81,11 +83,11 @@ class Scheduler:
         every running prompt is fully scheduled, so a prefix hit never reads a block not yet computed. Freeing
         a half-computed prompt would leave registered blocks that were never computed."""
         while not self.block_manager.can_append(seq):
-            victim = next((s for s in reversed(queue) if not s.prefilling), seq)
+            victim = next((s for s in reversed(unvisited) if not s.prefilling), seq)
             self._preempt(victim)
             if victim is seq:
                 return False
-            queue.remove(victim)
+            unvisited.remove(victim)
         return True
 
     @staticmethod

@@ -62,7 +62,8 @@ class StaticDecode:
         self.num_steps = self.num_replays = 0      # steps run here; of them, replayed as graphs
 
     def fits(self, seqs) -> bool:
-        """Whether this step is all decodes, of at most the largest bucket, within the widest table."""
+        """Whether every sequence of this step feeds one token (a decode, or a prompt's last one), at most
+        the largest bucket of them, within the widest table."""
         return (len(seqs) <= self.batch_sizes[-1] and all(s.num_new_tokens == 1 for s in seqs)
                 and all(len(s.block_table) <= self.widths[-1] for s in seqs))
 

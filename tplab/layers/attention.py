@@ -56,7 +56,8 @@ class Attention(nn.Module):
 
     def forward(self, q, k, v, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         # q (T, H, D); k, v (T, H_kv, D); each cache (num_blocks, block_size, H_kv, D)
-        k_cache, v_cache = (c.flatten(0, 1) for c in kv_cache)      # (num_slots, H_kv, D) views
+        k_cache, v_cache = (c.flatten(0, 1) for c in kv_cache)      # (num_slots, H_kv, D) views (the cache is
+                                                                    # contiguous: the writes land in it)
         k_cache.index_copy_(0, meta.slot_mapping, k)                # store the KV heads, not repeated ones
         v_cache.index_copy_(0, meta.slot_mapping, v)
         if isinstance(self.attend, AttendsDecodesTogether):         # it takes the whole step

@@ -82,7 +82,8 @@ class ParallelLMHead(VocabShard, UsesLinearMethod):
       ``weight.weight_loader`` (as the embedding's). With ``tie_word_embeddings`` the model replaces
       it by the embedding part's ``weight``.
     - ``forward(hidden)``: ``(N, embedding_dim) -> (N, num_embeddings)``: the full logits on every
-      rank, padding rows dropped (``gather_output=False``: this rank's ``(N, per_rank)``, its padding included).
+      rank, the padding's columns dropped (``gather_output=False``: this rank's ``(N, per_rank)``, its
+      padding included).
     """
 
     def forward(self, hidden: torch.Tensor, gather_output: bool = True) -> torch.Tensor:
@@ -90,7 +91,7 @@ class ParallelLMHead(VocabShard, UsesLinearMethod):
         return self.gather(logits) if gather_output else logits
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``(N, per_rank)`` logits -> the full ``(N, vocab)``, padding rows dropped."""
+        """Every rank's ``(N, per_rank)`` logits -> the full ``(N, vocab)``, the padding's columns dropped."""
         logits = all_gather(logits, self.tp_size, dim=-1)           # (N, per_rank * tp_size)
         return logits[..., : self.num_embeddings]
 

@@ -119,7 +119,7 @@ class QKVParallelLinear(LinearBase):
         elif shard_id in ("k", "v"):
             full, rows = self.total_num_kv_heads * self.head_size, self.kv_size
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            # Ranks r*replicas ... (r+1)*replicas-1 share KV head group r.
+            # Ranks g*replicas ... (g+1)*replicas-1 share KV head group g.
             start = (self.tp_rank // self.num_kv_head_replicas) * self.kv_size
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")

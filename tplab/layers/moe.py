@@ -94,9 +94,9 @@ class FusedMoE(nn.Module, UsesProducts):
             self.expert_tp_rank = self.tp_rank
         first = self.ep_rank * self.num_local_experts
         self.local_experts = range(first, first + self.num_local_experts)  # global ids of this rank's experts
-        e, i = self.num_local_experts, self.intermediate_size_per_partition
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
+        x_local, i_local = self.num_local_experts, self.intermediate_size_per_partition
+        self.gate_up_proj = nn.Parameter(torch.empty(x_local, 2 * i_local, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(x_local, hidden_size, i_local), requires_grad=False)
         self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
 
     @classmethod

@@ -167,6 +167,7 @@ class Qwen2Model(nn.Module):
         return x
 
     def forward(self, input_ids, kv_caches, meta):
+        """The whole decoder stack, without pipeline stages (under PP each stage runs ``forward_stage``)."""
         sp = self._region(input_ids.shape[0])
         x = self._embed(input_ids, sp)
         for layer, kv_cache in zip(self.layers, kv_caches):
