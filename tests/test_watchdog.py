@@ -47,6 +47,24 @@ def test_a_loop_is_stopped_at_the_bound_with_its_function_and_line_and_nothing_l
     assert watchdog.call_bounded(1.0, sum, [1, 2]) == 3
 
 
+def test_a_slow_import_is_waited_for_and_a_learners_module_that_loops_is_stopped(tmp_path, monkeypatch):
+    """A rank on a loaded machine may still be importing (tplab's or torch's modules) at the bound: that is not
+    the learner's loop, so the watchdog waits for it; a learner's own module that loops as it loads is
+    stopped, named by its line."""
+    import importlib
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(1.5)\n")
+    (tmp_path / "loops_on_import.py").write_text("while True:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(watchdog, "_NOT_YOURS", watchdog._NOT_YOURS + (str(tmp_path / "slow_to_import.py"),))
+    try:
+        assert watchdog.call_bounded(0.5, importlib.import_module, "slow_to_import").__name__ == "slow_to_import"
+        with pytest.raises(watchdog.DidNotReturn, match=stopped_in("<module>", "while True:", "pass", bound=0.5)):
+            watchdog.call_bounded(0.5, importlib.import_module, "loops_on_import")
+    finally:
+        for name in ("slow_to_import", "loops_on_import"):
+            sys.modules.pop(name, None)
+
+
 def swallows(n):
     while True:
         try:

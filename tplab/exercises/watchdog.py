@@ -11,7 +11,8 @@ POSIX and only in the main thread). The exception is raised at the next Python b
 so an endless Python loop stops at once; a single C call that never returns (a ``recv`` nobody answers)
 is left to the ranks' own timeouts. While the thread waits inside a collective (``torch.distributed`` or
 ``tplab.distributed``) it is not the one stuck, a peer is: the watchdog leaves it alone, so only the rank
-that spins is named.
+that spins is named; nor is a thread still importing a module for tplab or torch (a loaded machine makes
+that slow), only a learner's code.
 
 ``DidNotReturn`` is a ``BaseException``, as ``KeyboardInterrupt`` is, so that a learner's ``except
 Exception:`` inside the loop does not swallow it; the checkers catch it by name.
@@ -46,6 +47,7 @@ _NOT_YOURS = tuple({os.path.dirname(os.path.dirname(os.path.abspath(__file__))) 
                     *(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
 _WAITING = (os.sep + os.path.join("torch", "distributed") + os.sep,
             os.sep + os.path.join("tplab", "distributed") + os.sep)
+_IMPORTING = ("importlib._bootstrap", os.path.join("importlib", "_bootstrap"))   # frozen, or a stdlib file
 
 
 class DidNotReturn(BaseException):
@@ -71,6 +73,17 @@ def _above(frame, base):
 def _waiting(frame, base) -> bool:
     """Whether the block (the stack from ``frame`` down to ``base``) waits in a collective, or for ranks."""
     return any(w in f.f_code.co_filename for f in _above(frame, base) for w in _WAITING)
+
+
+def _loading(frame, base) -> bool:
+    """Whether the block is importing a module for tplab or torch (slow on a loaded machine, not a loop): an
+    import machinery frame comes before any of the learner's, from the innermost out."""
+    for f in _above(frame, base):
+        if any(w in f.f_code.co_filename for w in _IMPORTING):
+            return True
+        if _yours(f):
+            return False
+    return False
 
 
 def _stuck(frame, base):
@@ -134,8 +147,8 @@ class bounded:
                 if self._fired is not None:      # retry only while the frame it was stuck in still runs
                     if not any(f is self._fired[1] for f in _above(frame, self._base)):
                         return True
-                elif _waiting(frame, self._base):    # the rank that waits in a collective is not the stuck one
-                    return False
+                elif _waiting(frame, self._base) or _loading(frame, self._base):
+                    return False                 # a rank waiting for its peers, or importing, is not stuck
                 else:
                     stuck = _stuck(frame, self._base)
                     message = _message(self.bound, where(stuck))
