@@ -2,7 +2,8 @@
 
 Every relative link in README.md, ARCHITECTURE.md, docs/*.md and bench/README.md names a file that exists
 (and a heading that exists, where it points into a markdown file with ``#anchor``); every raw result under
-bench/results/ is cited by a document; the README reads in five minutes; and no line under tplab/ names a
+bench/results/ is cited by a document; the README reads in five minutes; ARCHITECTURE.md names every engine
+file; and no line under tplab/ names a
 CPU or GPU model, a calendar date or a rate: measurements live in docs/performance.md, beside their machine.
 Each checker is also run on a string that breaks it, so that a checker which can never fail is caught.
 """
@@ -106,6 +107,22 @@ def test_the_readme_reads_in_five_minutes():
                                            "move the detail to docs/"
     text = "\n".join(lines)
     assert "seeds" not in text and "../shared" not in text
+
+
+def unmapped(architecture: str, modules: list[Path]) -> list[str]:
+    """The engine modules (``tplab/<room>/<file>.py``) that ARCHITECTURE.md's text never names."""
+    return [p.relative_to(ROOT).as_posix() for p in modules if p.name != "__init__.py" and p.name not in architecture]
+
+
+def test_the_architecture_maps_every_engine_file():
+    """The README says ARCHITECTURE.md maps every file: each engine module is named there (the teaching side by
+    its folders)."""
+    modules = sorted(p for room in ("distributed", "layers", "kernels", "models", "engine")
+                     for p in (ROOT / "tplab" / room).glob("*.py"))
+    missing = unmapped((ROOT / "ARCHITECTURE.md").read_text(), modules)
+    assert not missing, f"engine files ARCHITECTURE.md does not name (say what each is for): {missing}"
+    assert unmapped("`linear.py`", [ROOT / "tplab/layers/linear.py", ROOT / "tplab/layers/weights.py"]) == \
+        ["tplab/layers/weights.py"]                                             # the check can fail
 
 
 # A CPU or GPU model, a calendar date, a rate: what a measurement names, and the code must not.

@@ -119,6 +119,21 @@ def test_engine_side_never_imports_the_teaching_side(side):
     assert not upward, f"the engine imports the teaching side: {upward}"
 
 
+def dynamic_imports(path: pathlib.Path) -> list[str]:
+    """The calls in ``path`` that import a module named by a value (``importlib.import_module``, ``__import__``):
+    imports the graph above cannot see."""
+    calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)]
+    names = [getattr(c.func, "attr", None) or getattr(c.func, "id", None) for c in calls]
+    return [f"{path.name}:{c.lineno}" for c, name in zip(calls, names) if name in ("import_module", "__import__")]
+
+
+def test_the_engine_imports_by_import_statements_only():
+    """The engine side imports nothing by name at run time, so the graph the checks above walk is all of it (the
+    bug catalogue reaches the engine as a function that ``tplab/__init__.py`` hands it)."""
+    found = [hit for side in ENGINE_SIDE for p in sorted((ROOT / side).rglob("*.py")) for hit in dynamic_imports(p)]
+    assert not found, f"the engine imports a module named by a value (use an import statement): {found}"
+
+
 def test_the_layers_never_import_the_kernels():
     """``tplab.layers`` holds the idea the notebooks teach; ``tplab.kernels`` is handed to it (``Parts.gemm``,
     ``Parts.attend``) and may import it, never the other way."""
@@ -172,12 +187,15 @@ def test_the_check_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
         (fake / f).write_text("")
     (fake / "engine" / "a.py").write_text("def f():\n    from tplab.engine import b\n")
     (fake / "engine" / "b.py").write_text("from tplab.engine.a import f\nfrom tplab import bugs\n")
+    (fake / "engine" / "c.py").write_text("import importlib\n\nBUGS = importlib.import_module('tplab.bugs')\n")
     (fake / "bugs.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "ROOT", fake)
     with pytest.raises(AssertionError, match="tplab.engine.a -> tplab.engine.b -> tplab.engine.a"):
         test_no_import_cycle()
     with pytest.raises(AssertionError, match="tplab.engine.b -> tplab.bugs"):
         test_engine_side_never_imports_the_teaching_side("engine")
+    with pytest.raises(AssertionError, match=r"c.py:3"):
+        test_the_engine_imports_by_import_statements_only()
 
 
 def test_the_check_sees_layers_importing_kernels_and_naming_them(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 import pytest
 
 from tplab import LLM, Parts, SamplingParams, bugs
-from tplab.engine.parts import FIELDS, resolve
+from tplab.engine.parts import FIELDS, known_bugs, resolve
 from tplab.layers.rotary import apply_rotary
 from tplab.bugs import no_rope_apply, rope_layout_apply
 
@@ -38,7 +38,7 @@ def test_unknown_names_say_what_exists():
         resolve(["nope"])
     with pytest.raises(ValueError, match=r"parts has unknown field\(s\) \['rowlinear'\]; the fields of tplab.Parts"):
         resolve(parts={"rowlinear": object})
-    assert set(bugs.NAMES) == set(__import__("tplab.engine.parts", fromlist=["known_bugs"]).known_bugs())
+    assert set(bugs.NAMES) == set(known_bugs())
 
 
 def test_llm_takes_parts_and_bugs_by_name(checkpoint):

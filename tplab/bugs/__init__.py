@@ -4,7 +4,7 @@
 ``if bug:`` branches. Each replacement's docstring says where its pitfall comes from: the review notes it
 quotes, or the real SP, PP, MoE or CUDA-graph code it stands for. A bug replaces fields of ``tplab.Parts``
 (``tplab.engine.parts.FIELDS``); bugs that replace different fields combine. ``tplab.engine.parts``, the one
-place where parts are resolved, finds them here by name (``BUGS``) when an engine asks for one. By area:
+place where parts are resolved, finds them by name in ``BUGS``, handed to it by ``tplab/__init__.py``. By area:
 ``attention``, ``rope``, ``sharding``, ``positions``, ``loading``, ``sequence_parallel`` and ``pipeline``
 (notebook 07's: pitfalls of real SP and PP code rather than of the review notes), ``moe`` (notebook 08's:
 experts spread over ranks), ``graphs`` (a CUDA graph's replay reading stale inputs).

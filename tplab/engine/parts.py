@@ -3,7 +3,8 @@
 An engine is built from a ``Parts``: its fields, below, are every replaceable piece (the layer classes and
 functions its model is made of, how a layer multiplies, the checkpoint loader, the block manager, the
 pipeline stage, the experts and their exchange, ...). ``resolve(bugs, parts)`` starts from tplab's own, swaps
-in the named pitfalls (``LLM(bugs=[...])``, found by name in ``tplab.bugs``) and a learner's own parts
+in the named pitfalls (``LLM(bugs=[...])``, found by name in the catalogue ``tplab/__init__.py`` hands it) and a
+learner's own parts
 (``LLM(parts={...})``), and refuses two replacements of the same field. The experts' exchange under data
 parallelism (``moe_dispatch``, ``moe_combine``) is called by the experts, so a replaced one is handed to the
 ``experts`` class here, as its ``dispatch=`` / ``combine=``. It runs once, in the process that creates the
@@ -12,7 +13,6 @@ asks which bug is on.
 """
 import dataclasses
 import functools
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,15 +63,20 @@ class Parts:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Parts))
-# The module whose ``BUGS`` maps each pitfall's name to ``{field of Parts: replacement}``. It is looked up
-# by name, here and only when a bug is asked for, so an engine built without bugs never loads the
-# teaching side (its processes included), and the engine's code does not depend on it.
-BUG_CATALOGUE = "tplab.bugs"
+# Where ``LLM(bugs=[...])`` finds the pitfalls by name. The catalogue (``tplab.bugs``) is on the teaching side,
+# which the engine never imports: the package's root module hands the engine a function that loads it
+# (``provide_bugs``), called only when a bug is asked for, so an engine built without bugs never loads it.
+_bug_catalogues: list[Callable[[], dict]] = []
+
+
+def provide_bugs(load_catalogue: Callable[[], dict]) -> None:
+    """Make the bugs of ``load_catalogue()`` (name -> ``{field of Parts: replacement}``) known by name."""
+    _bug_catalogues.append(load_catalogue)
 
 
 def known_bugs() -> dict[str, dict[str, object]]:
-    """The bug catalogue: name -> ``{field of Parts: replacement}`` (imports ``BUG_CATALOGUE``)."""
-    return importlib.import_module(BUG_CATALOGUE).BUGS
+    """Every bug known by name: name -> ``{field of Parts: replacement}`` (loads the catalogues)."""
+    return {name: swaps for load in _bug_catalogues for name, swaps in load().items()}
 
 
 def _describe(value) -> str:
