@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tplab import golden
+from tplab.engine.config import engine_config
 
 PROMPT = [3, 17, 42, 99, 5, 61, 200, 7, 150]                      # 9 tokens: padded to 10 at TP 2, 12 at TP 4
 
@@ -35,9 +36,10 @@ def test_scatter_on_the_hidden_dim_scrambles_the_residual_before_the_first_norm(
     assert rows[0].name == "model.embed_tokens" and rows[0].ok      # the lookups themselves are right...
     assert golden.first_divergence(rows) == "model.layers.0.input_layernorm"   # ...their scatter is not
     assert all(r.nonfinite == 0 for r in rows) and rows[1].max_abs > 100 * rows[1].bound   # no NaN, and no rounding
-    # at TP 1 there is nothing to scatter: the same engine is HF's
-    assert golden.first_divergence(golden.compare(ref, golden.tplab_activations(
-        folder, PROMPT, 1, bugs=["sp_scatter_hidden"], sequence_parallel=True))) is None
+    # at TP 1 there is nothing to scatter: the region never runs, and the engine says so rather than look right
+    with pytest.raises(ValueError, match=r"bug 'sp_scatter_hidden' replaces Parts.sp_norm_region, which this engine "
+                                         r"never uses: it runs only with sequence_parallel=True at tensor_parallel_size > 1"):
+        engine_config(folder, bugs=["sp_scatter_hidden"], sequence_parallel=True)
 
 
 def test_norm_twice_holds_hfs_norm_normed_again(untied):

@@ -68,6 +68,8 @@ def test_llm_engine_is_this_processs_engine_and_refused_where_ranks_run_elsewher
     from tplab import LLM
     with LLM(checkpoint("gqa")) as llm:
         assert isinstance(llm.engine, LLMEngine) and llm.engine.scheduler is llm.engine.schedulers[0]
+    with pytest.raises(RuntimeError, match="this LLM was shut down; create a new one"):
+        llm.engine
     with LLM(checkpoint("gqa"), tensor_parallel_size=2) as llm:
         with pytest.raises(RuntimeError, match="2 ranks run in their own processes"):
             llm.engine

@@ -151,6 +151,10 @@ def test_the_config_is_resolved_once_frozen_and_reaches_ranks_as_is(checkpoint, 
     assert gemms and all(not g.onednn and not g.pack for g in gemms)               # F.linear, as asked
     with pytest.raises(TypeError, match=r"unknown setting\(s\) \['tensor_parallel'\]; the settings are"):
         LLM(checkpoint("gqa"), tensor_parallel=2)
+    for device in ("gpu", "CPU", "mps", 0):                # torch's own errors named none of what tplab runs on
+        with pytest.raises(ValueError, match=rf"device={device!r}: tplab runs on 'cpu' or 'cuda'"):
+            EngineConfig(model=checkpoint("gqa"), device=device)
+    assert EngineConfig(model=checkpoint("gqa"), device=torch.device("cpu")).device == "cpu"
 
 
 def test_a_lazy_slice_indexed_like_a_tensor_says_how_to_take_rows(checkpoint):

@@ -53,3 +53,41 @@ def test_llm_takes_parts_and_bugs_by_name(checkpoint):
     assert calls and calls[0] == 3, "the engine did not run the part it was given"
     with pytest.raises(ValueError, match="both replace Parts.apply_rope"):
         LLM(checkpoint("gqa"), bugs=["no_rope"], parts={"apply_rope": my_rope})
+
+
+def test_a_class_part_given_as_an_instance_or_a_function_is_refused_before_anything_is_built():
+    from tplab.layers.linear import RowParallelLinear
+    with pytest.raises(ValueError, match=r"parts\['row_linear'\]: pass the class itself \(as tplab's RowParallelLinear\), "
+                                         r"not an instance of RowParallelLinear"):
+        resolve(parts={"row_linear": RowParallelLinear(8, 8, tp_rank=0, tp_size=1)})
+    with pytest.raises(ValueError, match=r"parts\['block_manager'\]: .* not the function my_rope"):
+        resolve(parts={"block_manager": my_rope})
+    assert resolve(parts={"apply_rope": my_rope}).apply_rope is my_rope     # a function where the engine calls one
+
+
+@pytest.mark.parametrize("settings, bug, needs", [
+    ({}, "sp_scatter_hidden", "sequence_parallel=True at tensor_parallel_size > 1"),
+    ({"sequence_parallel": True}, "sp_norm_twice", "sequence_parallel=True at tensor_parallel_size > 1"),
+    ({}, "graph_stale_inputs", r"decode steps at fixed shapes \(static_decode=True"),
+    ({}, "moe_global_ids", "a mixture-of-experts checkpoint"),
+])
+def test_a_bug_this_engine_never_uses_is_refused_not_shown_harmless(checkpoint, settings, bug, needs):
+    """Without its setting the bug's part is never built, and HF's tokens would call the pitfall harmless."""
+    from tplab.engine.config import engine_config
+    with pytest.raises(ValueError, match=rf"bug '{bug}' replaces Parts\.\w+, which this engine never uses: it runs "
+                                         rf"only with {needs}.*Add that, or drop the bug"):
+        engine_config(checkpoint("gqa"), bugs=[bug], **settings)
+
+
+def test_a_part_this_engine_never_uses_is_refused_and_used_where_its_setting_is_on(checkpoint):
+    from tplab.engine.config import engine_config
+    from tplab.engine.static_decode import StaticDecode
+
+    class MyStatic(StaticDecode):
+        pass
+    with pytest.raises(ValueError, match=r"your part .*MyStatic replaces Parts.static_decode, which this engine never "
+                                         r"uses: .* Add that, or drop the part"):
+        engine_config(checkpoint("gqa"), parts={"static_decode": MyStatic})
+    assert engine_config(checkpoint("gqa"), parts={"static_decode": MyStatic}, static_decode=True).parts.static_decode \
+        is MyStatic
+    assert engine_config(checkpoint("gqa"), bugs=["graph_stale_inputs"], static_decode=True).static_decode

@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from tplab import workbook
 
 
@@ -71,3 +73,19 @@ def test_machine_names_the_cpu_and_the_cores_this_process_may_use():
     cpuinfo = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     if "model name" in cpuinfo:
         assert f": {name}\n" in cpuinfo
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("off", False), ("no", False), ("0", False), ("", False)])
+def test_solution_mode_reads_tplab_solutions_as_the_other_switches_do(monkeypatch, value, on):
+    """``TPLAB_SOLUTIONS=off`` is off, as ``TPLAB_ONEDNN=off`` is (it once turned solution mode on)."""
+    from tplab.exercises import cells
+    seen = []
+    monkeypatch.setattr(cells, "install", seen.append)
+    monkeypatch.setenv("TPLAB_SOLUTIONS", value)
+    workbook.setup()
+    assert seen == [on]
+    monkeypatch.setenv("TPLAB_SOLUTIONS", "maybe")
+    with pytest.raises(ValueError, match="TPLAB_SOLUTIONS='maybe' is neither on nor off"):
+        workbook.setup()
+    with pytest.raises(ValueError, match="solutions must be True, False or None"):
+        workbook.setup(solutions="no")

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tplab.distributed.launcher import pick_backend
+from tplab.engine.config import env_flag
 from tplab.exercises import cells as exercise_cells
 from tplab.exercises.cells import your_parts  # noqa: F401  (notebook 06's finale)
 
@@ -26,12 +27,14 @@ def model_dir() -> Path:
 
 
 def setup(seed: int = 0, solutions: bool | None = None) -> None:
-    """Seed everything, keep library progress bars and warnings out of cell outputs, and watch the
-    exercise cells (``# Exercise: <name>``). ``solutions=True`` (default: ``$TPLAB_SOLUTIONS`` set, and not
-    0, false or empty) makes every exercise cell run its reference solution, so a room can skip ahead."""
+    """Seed Python's and torch's random numbers, keep library progress bars and warnings out of cell outputs,
+    and watch the exercise cells (``# Exercise: <name>``). ``solutions=True`` (default: ``$TPLAB_SOLUTIONS``, 1 or
+    0 as tplab's other switches) makes every exercise cell run its reference solution, so a room can skip ahead."""
     if solutions is None:
-        solutions = os.environ.get("TPLAB_SOLUTIONS", "0") not in ("", "0", "false", "False")
-    exercise_cells.install(bool(solutions))
+        solutions = env_flag("TPLAB_SOLUTIONS", "0")
+    if not isinstance(solutions, bool):
+        raise ValueError(f"solutions must be True, False or None (from $TPLAB_SOLUTIONS), got {solutions!r}")
+    exercise_cells.install(solutions)
     if solutions:
         print("solution mode: every `# Exercise:` cell runs its reference solution")
     random.seed(seed)

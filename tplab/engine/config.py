@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tplab.distributed.launcher import check_timeout, pick_backend
-from tplab.engine.parts import Parts, bug_names, resolve
+from tplab.engine.parts import Parts, bug_names, refuse_unused, resolve
 from tplab.kernels.gemm import Gemm
 from tplab.layers.attention import Attention
 from tplab.layers.linear import returns_partial_sums
@@ -68,7 +68,7 @@ def default_batched_tokens(device, hf_config) -> int:
     return 4096 if torch.device(device).type == "cuda" else 2048 if has_experts(hf_config) else 512
 
 
-def _env_flag(name: str, default: str = "1") -> bool:
+def env_flag(name: str, default: str = "1") -> bool:
     """A setting's default from the environment, read when a config is resolved: ``name`` set to 1, true, on or
     yes is on, to 0, false, off or no (or empty) is off; unset, ``default``."""
     value = os.environ.get(name, default).strip().lower()
@@ -126,11 +126,11 @@ class EngineConfig:
     enforce_eager: bool = False        # True: no CUDA graphs (vLLM's name)
     static_decode: bool | None = None  # pad decode steps to a bucket; None -> True where CUDA graphs run
     # CPU speed settings; the environment gives their defaults (TPLAB_ONEDNN=0: plain torch.matmul)
-    onednn: bool = field(default_factory=lambda: _env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
-    pack_weights: bool = field(default_factory=lambda: _env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
-    few_rows_mkl: bool = field(default_factory=lambda: _env_flag("TPLAB_FEW_ROWS_MKL"))  # kernels.gemm.FEW_ROWS
-    malloc_tune: bool = field(default_factory=lambda: _env_flag("TPLAB_MALLOC_TUNE"))    # engine.malloc
-    compile: bool = field(default_factory=lambda: _env_flag("TPLAB_COMPILE", "0"))  # torch.compile, engine.compiled
+    onednn: bool = field(default_factory=lambda: env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
+    pack_weights: bool = field(default_factory=lambda: env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
+    few_rows_mkl: bool = field(default_factory=lambda: env_flag("TPLAB_FEW_ROWS_MKL"))  # kernels.gemm.FEW_ROWS
+    malloc_tune: bool = field(default_factory=lambda: env_flag("TPLAB_MALLOC_TUNE"))    # engine.malloc
+    compile: bool = field(default_factory=lambda: env_flag("TPLAB_COMPILE", "0"))  # torch.compile, engine.compiled
     hf_config: object = field(default=None, repr=False)  # None -> config.json's, as plain_config
 
     @property
@@ -182,8 +182,13 @@ def _resolved(cfg: EngineConfig) -> dict:
     backend = dist.get_backend() if dist.is_initialized() else pick_backend(cfg.world_size, cfg.backend)
     dtype, device = resolve_dtype(cfg.dtype, hf), _device(cfg, backend)
     parts = _kernels_here(parts, device, dtype, hf)
+    static, moe = resolve_static_decode(cfg, parts, device, hf), has_experts(hf)
+    refuse_unused(bugs, cfg.parts, dict(sp_norm_region=cfg.sequence_parallel and cfg.tensor_parallel_size > 1,
+                                        static_decode=static, experts=moe,
+                                        moe_dispatch=moe and cfg.data_parallel_size > 1,
+                                        moe_combine=moe and cfg.data_parallel_size > 1))
     return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs, parts=parts, backend=backend,
-                device=device, static_decode=resolve_static_decode(cfg, parts, device, hf))
+                device=device, static_decode=static)
 
 
 def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str, hf) -> bool:
@@ -260,6 +265,9 @@ def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts, dp_si
 
 def _device(cfg: EngineConfig, backend: str) -> str:
     if cfg.device is not None:
+        if not (isinstance(cfg.device, (str, torch.device)) and str(cfg.device).split(":")[0] in ("cpu", "cuda")):
+            raise ValueError(f"device={cfg.device!r}: tplab runs on 'cpu' or 'cuda' (or 'cuda:N'): pass one of them, "
+                             "or leave device unset")
         asked = torch.device(cfg.device)
         if asked.type == "cuda" and (asked.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device={cfg.device!r}, but this machine has {torch.cuda.device_count()} CUDA GPU(s) "

@@ -96,6 +96,8 @@ class LLM:
     def engine(self):
         """This process's ``LLMEngine``, to watch or drive its steps: there is one with a single rank (or under
         torchrun, this rank's); with more ranks each runs in its own process."""
+        if self._worker is None and self.config.world_size == 1:
+            raise RuntimeError("llm.engine: this LLM was shut down; create a new one")
         if self._worker is None:
             raise RuntimeError(f"llm.engine: this LLM's {self.config.world_size} ranks run in their own processes "
                                "(or it was shut down); a single rank (TP x PP x DP = 1) runs in this one")

@@ -63,6 +63,7 @@ class Parts:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Parts))
+CLASSES = {f.name: f.type is type for f in dataclasses.fields(Parts)}     # field -> whether the engine builds it
 # Where ``LLM(bugs=[...])`` finds the pitfalls by name. The catalogue (``tplab.bugs``) is on the teaching side,
 # which the engine never imports: the package's root module hands the engine a function that loads it
 # (``provide_bugs``), called only when a bug is asked for, so an engine built without bugs never loads it.
@@ -81,6 +82,11 @@ def known_bugs() -> dict[str, dict[str, object]]:
 
 def _describe(value) -> str:
     return getattr(value, "__qualname__", None) or type(value).__name__
+
+
+def _builds(part) -> bool:
+    """Whether the engine can build ``part``: a class, or a class with some arguments given (``functools.partial``)."""
+    return isinstance(part.func if isinstance(part, functools.partial) else part, type)
 
 
 def bug_names(bugs) -> tuple[str, ...]:
@@ -109,16 +115,46 @@ def resolve(bugs=(), parts=None) -> Parts:
     wrong = sorted(set(mine) - set(FIELDS))
     if wrong:
         raise ValueError(f"parts has unknown field(s) {wrong}; the fields of tplab.Parts are {list(FIELDS)}")
+    for field, replacement in mine.items():
+        if CLASSES[field] and not _builds(replacement):
+            given = (f"the function {replacement.__qualname__}" if hasattr(replacement, "__qualname__")
+                     else f"an instance of {type(replacement).__name__}")
+            raise ValueError(f"parts[{field!r}]: pass the class itself (as tplab's {getattr(Parts(), field).__name__}), "
+                             f"not {given}: the engine builds one wherever the model needs it, on every rank")
     chosen: dict[str, tuple[str, object]] = {}      # field -> (who replaced it, replacement)
-    swaps = [(f"bug {n!r}", f, r) for n in names for f, r in catalogue[n].items()]
-    swaps += [(f"your part {_describe(r)}", f, r) for f, r in mine.items()]
-    for who, field, replacement in swaps:
+    for who, field, replacement in _swaps(names, catalogue, mine):
         if field in chosen and chosen[field][1] is replacement:
             continue                                # the same part twice (a Parts resolved before)
         if field in chosen:
             raise ValueError(f"{chosen[field][0]} and {who} both replace Parts.{field}: use one at a time")
         chosen[field] = (who, replacement)
     return _hand_exchange(dataclasses.replace(Parts(), **{f: r for f, (_, r) in chosen.items()}))
+
+
+def _swaps(names, catalogue: dict, mine: dict) -> list[tuple[str, str, object]]:
+    """``(who, field, replacement)`` for each field the named bugs, then ``mine``, replace."""
+    return ([(f"bug {n!r}", f, r) for n in names for f, r in catalogue[n].items()]
+            + [(f"your part {_describe(r)}", f, r) for f, r in mine.items()])
+
+
+# The fields an engine uses only under some settings. A bug or a part that replaces one in an engine without its
+# setting changes nothing: HF's tokens would then call a pitfall harmless, or a learner's part right, unseen.
+USED_ONLY_WITH = {"sp_norm_region": "sequence_parallel=True at tensor_parallel_size > 1",
+                  "static_decode": "decode steps at fixed shapes (static_decode=True, or CUDA graphs on a GPU)",
+                  "experts": "a mixture-of-experts checkpoint",
+                  "moe_dispatch": "a mixture-of-experts checkpoint at data_parallel_size > 1",
+                  "moe_combine": "a mixture-of-experts checkpoint at data_parallel_size > 1"}
+
+
+def refuse_unused(bugs, parts, used: dict[str, bool]) -> None:
+    """Raise if a bug in ``bugs`` or a part in ``parts`` (as ``resolve`` takes them) replaces a field of
+    ``USED_ONLY_WITH`` that this engine does not use (``used[field]`` False), saying which setting it needs."""
+    names = bug_names(bugs)
+    mine = parts.replaced() if isinstance(parts, Parts) else dict(parts or {})
+    for who, field, _ in _swaps(names, known_bugs() if names else {}, mine):
+        if field in USED_ONLY_WITH and not used[field]:
+            raise ValueError(f"{who} replaces Parts.{field}, which this engine never uses: it runs only with "
+                             f"{USED_ONLY_WITH[field]}. Add that, or drop the {'bug' if who.startswith('bug') else 'part'}")
 
 
 def _hand_exchange(parts: Parts) -> Parts:

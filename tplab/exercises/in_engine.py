@@ -65,7 +65,9 @@ def checked(obj):
 
 def engine_config(parts, tp, **settings) -> EngineConfig:
     """The shipped model's engine with ``parts`` (each checked for a missing ``return``), made here once."""
-    if "sp_norm_region" in parts:                    # the region runs only under sequence parallelism
+    if "sp_norm_region" in parts and tp == 1:        # at TP 1 there is no region: the engine is tplab's own
+        parts = {k: v for k, v in parts.items() if k != "sp_norm_region"}
+    elif "sp_norm_region" in parts:                  # the region runs only under sequence parallelism
         settings = {"sequence_parallel": True, **settings}
     if "static_decode" in parts:                     # a step at fixed shapes runs where asked for, eagerly on a CPU
         settings = {"static_decode": True, **settings}
