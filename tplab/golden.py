@@ -9,11 +9,13 @@ after gathering every rank's tokens and summing the partial sums, ``all_tokens``
 ``tplab.tolerance``'s: relative to each activation's size and the dtype's rounding.
 """
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
 from tplab.distributed.launcher import launch, rank_device
 from tplab.engine.probe import capture, load_model, probe
+from tplab.models.registry import check_tp_size, load_model_config
 from tplab import tolerance
 from tplab.tolerance import bound, logprob_bound  # noqa: F401  (what notebooks call)
 
@@ -48,6 +50,20 @@ def require_float32_matmuls() -> None:
             "a bug. Run torch.set_float32_matmul_precision('highest') before comparing.")
 
 
+def _check_ids(input_ids, vocab_size: int) -> list[int]:
+    """``input_ids`` as a list of ints (a list, or a 1-D integer tensor), refused here with what to pass rather
+    than deep inside torch: a string, an empty or nested list, or an id the embedding has no row for."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1 and not input_ids.is_floating_point():
+        input_ids = input_ids.tolist()
+    ok = isinstance(input_ids, (list, tuple)) and len(input_ids) > 0 and all(
+        isinstance(i, Integral) and not isinstance(i, bool) and 0 <= i < vocab_size for i in input_ids)
+    if not ok:
+        got = repr(input_ids) if len(repr(input_ids)) < 60 else f"{repr(input_ids)[:57]}..."
+        raise ValueError(f"input_ids must be a non-empty list of ints in [0, {vocab_size}) (vocab_size), got {got}; "
+                         "tokenize a string first (llm.tokenizer.encode), one prompt at a time")
+    return [int(i) for i in input_ids]
+
+
 def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor]:
     """HF's own model's activations (fp32 on CPU, HF's default attention) for one prompt: ``Qwen2ForCausalLM``,
     or the class for the checkpoint's ``model_type`` (Qwen3, Qwen2-MoE, Qwen3-MoE: ``AutoModelForCausalLM``).
@@ -56,6 +72,7 @@ def hf_activations(model_or_dir, input_ids: list[int]) -> dict[str, torch.Tensor
     require_float32_matmuls()
     model = model_or_dir if isinstance(model_or_dir, torch.nn.Module) else \
         AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
+    input_ids = _check_ids(input_ids, model.config.vocab_size)
     names = activation_names(model.config.num_hidden_layers)
     with torch.no_grad(), capture(model, outputs_of=names[:-1]) as (acts, _):
         logits = model(torch.tensor([input_ids])).logits[0]
@@ -104,8 +121,12 @@ def all_tokens(model, acts: dict[str, torch.Tensor], num_tokens: int) -> dict[st
 def tplab_activations(model_dir, input_ids: list[int], tensor_parallel_size: int = 1, bugs=(), parts=None,
                       dtype: str = "float32", sequence_parallel: bool = False) -> dict[str, torch.Tensor]:
     """tplab's activations for one prompt, built with ``bugs``/``parts`` swapped in; ranks spawned at TP > 1.
-    With ``sequence_parallel`` each is gathered back to all T tokens, comparable with HF's."""
-    args = (str(model_dir), list(input_ids), tensor_parallel_size, tuple(bugs), parts, dtype, sequence_parallel)
+    With ``sequence_parallel`` each is gathered back to all T tokens, comparable with HF's. The ids and the TP
+    size are checked against the checkpoint's config here, before any rank starts."""
+    config = load_model_config(model_dir)
+    input_ids = _check_ids(input_ids, config.vocab_size)
+    check_tp_size(config, tensor_parallel_size)
+    args = (str(model_dir), input_ids, tensor_parallel_size, tuple(bugs), parts, dtype, sequence_parallel)
     if tensor_parallel_size == 1:
         return rank_activations(*args)
     return launch(rank_activations, tensor_parallel_size, args=args)[0]

@@ -138,6 +138,16 @@ def check_timeout(timeout) -> float:
     return float(timeout)
 
 
+def check_call_args(args, kwargs) -> None:
+    """``args`` a tuple (or list) of fn's arguments, ``kwargs`` a dict or None; checked before any rank starts, so
+    that ``args=(10.0)`` (a float: the comma is missing) is named here, not as a TypeError inside the ranks."""
+    if not isinstance(args, (tuple, list)):
+        raise ValueError(f"args must be a tuple of fn's arguments, got {type(args).__name__} {args!r:.60} "
+                        f"(one argument: args=({args!r:.60},))")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"kwargs must be a dict of fn's keyword arguments or None, got {type(kwargs).__name__}")
+
+
 class RankGroup:
     """`world_size` long-lived rank processes sharing one process group; run functions on all of them.
 
@@ -196,6 +206,7 @@ class RankGroup:
             raise RuntimeError("this RankGroup is closed (close() was called, or a rank failed or timed out); "
                                "create a new RankGroup")
         timeout = self.timeout if timeout is None else check_timeout(timeout)
+        check_call_args(args, kwargs)
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))  # a pickling error leaves us usable
         try:
             for rank, conn in enumerate(self._ranks.conns):
@@ -234,7 +245,8 @@ class RankGroup:
             if left <= 0:
                 seen = stacks.where({r: ranks.procs[r].pid for r in pending}, dict(enumerate(ranks.stacks)))
                 raise TimeoutError(f"ranks {sorted(pending)} did not answer within {timeout:g} s; "
-                                   f"all {self.world_size} ranks were stopped{seen}")
+                                   f"all {self.world_size} ranks were stopped{seen}. A call that was still working "
+                                   "(a long generate) needs a larger timeout= (LLM(..., timeout=...), launch's)")
             # Sentinels too: a rank killed by a signal is noticed at once, not at the deadline.
             for ready in wait([ranks.conns[r] for r in pending] + [p.sentinel for p in ranks.procs], left):
                 rank = owner[ready]
@@ -279,5 +291,6 @@ def launch(fn, world_size: int, args=(), kwargs=None, backend: str | None = None
 
     ``RankGroup(...)`` for one ``run()``, always closed afterwards; ``timeout`` bounds start-up and the run.
     """
+    check_call_args(args, kwargs)
     with RankGroup(world_size, backend=backend, timeout=timeout) as group:
         return group.run(fn, args, kwargs)

@@ -28,6 +28,8 @@ from tplab.exercises.in_engine import (NEW_TOKENS, aborted_because, engine_acts,
                                       reference, serve, worst_share)
 from tplab.exercises.layer_probes import LAYER_HINTS, SPECS, NamedMistake, probe_in_rank, run_probe, spec_of
 from tplab.exercises.watchdog import DidNotReturn, call_bounded
+from tplab.models.checkpoints import tiny_stories
+from tplab.models.registry import check_tp_size, load_model_config
 
 LOCAL_PROBES = {"attention": attention_probe,     # parts without collectives: probed in this process only
                 "block_manager": block_manager_probe}
@@ -230,7 +232,8 @@ def _judge_part(name: str, impl, tensor_parallel_size: int, timeout: float) -> E
 
 def _check_arguments(parts: dict, tensor_parallel_size) -> None:
     """Refuse, before anything runs, what no check can judge: an unknown part, ``experts`` (the shipped dense model
-    never builds it), an instance or a function where the engine builds a class, a TP size that is no size."""
+    never builds it), an instance or a function where the engine builds a class, a TP size that is no size, or one
+    that does not split the shipped model's heads and sizes."""
     unknown = sorted(set(parts) - set(FIELDS))
     if unknown:
         raise ValueError(f"no part named {unknown}; the parts are {list(FIELDS)}")
@@ -243,6 +246,11 @@ def _check_arguments(parts: dict, tensor_parallel_size) -> None:
                          "or a function: the engine builds one per layer, on every rank")
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+    if not set(parts) <= set(EXCHANGE):            # the exchange's check runs at DP 2 whatever the TP size
+        try:                                       # the shipped model's own refusal, before any rank starts
+            check_tp_size(load_model_config(tiny_stories()), tensor_parallel_size)
+        except ValueError as e:
+            raise ValueError(f"the check runs the shipped model (models.tiny_stories()), and {e}") from None
 
 
 def check_engine(parts: dict, tensor_parallel_size: int = 2, timeout: float = 120.0) -> ExerciseResult:

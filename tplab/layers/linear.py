@@ -196,8 +196,9 @@ def returns_partial_sums(part) -> bool:
     return isinstance(part, type) and issubclass(part, ReturnsPartialSums)
 
 
-def check_heads_divisible(total_num_heads: int, total_num_kv_heads: int, tp_size: int) -> None:
-    """Raise a ValueError that lists the TP sizes that work when ``tp_size`` does not split the heads."""
+def check_heads_divisible(total_num_heads: int, total_num_kv_heads: int, tp_size: int, *other_sizes: int) -> None:
+    """Raise a ValueError that lists the TP sizes that work when ``tp_size`` does not split the heads (sizes that
+    split ``other_sizes`` too: the model's other sizes TP splits, where the caller knows them)."""
     if tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
     if tp_size in valid_tp_sizes(total_num_heads, total_num_kv_heads):
@@ -209,4 +210,4 @@ def check_heads_divisible(total_num_heads: int, total_num_kv_heads: int, tp_size
     else:
         why = f"{tp_size} is not a multiple of the {total_num_kv_heads} KV heads, so they cannot be replicated evenly"
     raise ValueError(f"tensor_parallel_size={tp_size} does not work: {why}. "
-                     f"TP sizes that work: {valid_tp_sizes(total_num_heads, total_num_kv_heads)}")
+                     f"TP sizes that work: {valid_tp_sizes(total_num_heads, total_num_kv_heads, *other_sizes)}")

@@ -1,8 +1,12 @@
 """Checkpoints the workbook can use with no download: random Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE models of
-any shape, and the shipped tiny models trained on generated stories (dense Qwen2 and Qwen3-MoE)."""
+any shape, and the shipped tiny models trained on generated stories (dense Qwen2 and Qwen3-MoE). A random
+checkpoint's settings are checked before it is written: a misspelt field, or an attention no model can build."""
+import difflib
 from pathlib import Path
 
 import torch
+
+from tplab.models.registry import check_shape
 
 SMALL_QWEN2 = dict(  # small enough for many tests; GQA with 2 query heads per KV head
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -57,9 +61,11 @@ def save_random_qwen3_moe(out_dir, seed: int = 0, **overrides) -> Path:
 def _save_random(config_class, model_class, settings: dict, out_dir, seed: int) -> Path:
     """Build HF's ``model_class`` from ``settings``, make every parameter random, and ``save_pretrained`` it
     (transformers 5 holds an MoE layer's experts stacked in memory and writes them one tensor per expert)."""
+    _check_fields(config_class, settings)
     if "rope_theta" in settings:  # transformers 5 keeps it in rope_parameters
         settings.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": settings.pop("rope_theta")})
     config = config_class(**settings)
+    check_shape(config)
     torch.manual_seed(seed)
     model = model_class(config).float()
     gen = torch.Generator().manual_seed(seed)
@@ -70,6 +76,19 @@ def _save_random(config_class, model_class, settings: dict, out_dir, seed: int) 
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def _check_fields(config_class, settings: dict) -> None:
+    """Refuse a key that is no field of ``config_class``: HF would store it in config.json and build the model
+    without it (``num_layers=6`` gives the default 2 layers). Also taken: ``rope_theta`` (``_save_random`` moves
+    it into ``rope_parameters``) and ``head_dim`` (HF's attention of every Qwen reads it, declared or not)."""
+    fields = {k for k in config_class().to_dict() if not k.startswith("_")}
+    known = fields | set(config_class.attribute_map) | {"rope_theta", "head_dim"}
+    for key in settings:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f": did you mean {near[0]!r}?" if near else f"; its fields are {sorted(known)}"
+            raise ValueError(f"unknown {config_class.__name__} field {key!r}{hint}")
 
 
 def tiny_stories() -> Path:

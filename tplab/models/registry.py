@@ -3,7 +3,8 @@
 Every class takes the same arguments (``Qwen2ForCausalLM``'s) and says which of the config's sizes tensor
 parallelism splits (``tp_split_sizes``); ``check_tp_size`` holds a TP size (and ``enable_expert_parallel``)
 against them before any rank starts, and names the sizes that work; ``check_dp_size`` a data-parallel size.
-``load_model_config`` reads a checkpoint's config after checking it is one of these.
+``load_model_config`` reads a checkpoint's config after checking it is one of these, with an attention that can be
+built (``check_shape``).
 """
 import json
 from pathlib import Path
@@ -55,10 +56,33 @@ def load_model_config(model_dir):
                          f"Qwen3-MoE checkpoints (model_type {supported()}, e.g. Qwen2.5-0.5B-Instruct, Qwen3-0.6B, "
                          "Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B): pass the folder of one of those")
     config = AutoConfig.from_pretrained(model_dir)
+    check_shape(config, f"{config_file}: ")
     check_rope_supported(config)
     if getattr(config, "use_sliding_window", False):
         raise NotImplementedError("use_sliding_window=True is not implemented in tplab; set it to false")
     return config
+
+
+def check_shape(config, where: str = "") -> None:
+    """Refuse a config whose attention cannot be built (HF's own model fails on it too): query heads that do not
+    split into whole groups per KV head, an odd head_dim (RoPE rotates pairs), or, without an explicit head_dim,
+    a hidden_size that is not num_attention_heads x head_dim. ``where`` says which file, if any."""
+    heads, kv, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    head_dim = getattr(config, "head_dim", None)           # Qwen3's is explicit and need not be hidden / heads
+    if heads < 1 or kv < 1 or heads % kv:
+        fix = (f"num_key_value_heads to one of {[d for d in range(1, heads + 1) if heads % d == 0]}" if heads >= 1
+               else "num_attention_heads to 1 or more")
+        raise ValueError(f"{where}num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} (each KV "
+                         f"head serves a group of whole query heads): set {fix}")
+    step = 2 * heads                                       # heads x an even head_dim
+    if head_dim is None and hidden % step:
+        near = " or ".join(str(h) for h in (hidden - hidden % step, hidden - hidden % step + step) if h > 0)
+        raise ValueError(f"{where}hidden_size={hidden} is not num_attention_heads={heads} x an even head_dim (RoPE "
+                         f"rotates pairs of dimensions): set hidden_size to a multiple of {step} ({near}), or set "
+                         "head_dim explicitly")
+    if head_dim is not None and (head_dim < 2 or head_dim % 2):
+        raise ValueError(f"{where}head_dim={head_dim} is not a positive even number, and RoPE rotates pairs of "
+                         "dimensions: set an even head_dim")
 
 
 def check_tp_size(config, tp_size: int, enable_expert_parallel: bool = False) -> None:
@@ -66,9 +90,9 @@ def check_tp_size(config, tp_size: int, enable_expert_parallel: bool = False) ->
     splits (``tp_split_sizes``: the MLPs' intermediate sizes; with ``enable_expert_parallel``, the experts)."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool):
         raise ValueError(f"tensor_parallel_size must be an int, got {tp_size!r}")
-    check_heads_divisible(config.num_attention_heads, config.num_key_value_heads, tp_size)
     cls = model_class(config.model_type)
     split = cls.tp_split_sizes(config, enable_expert_parallel)
+    check_heads_divisible(config.num_attention_heads, config.num_key_value_heads, tp_size, *split.values())
     bad = [(name, size) for name, size in split.items() if size % tp_size]
     if not bad:
         return
