@@ -88,7 +88,8 @@ class ReshapedWrong(MyAttention):
 
 @pytest.mark.parametrize("impl, words", [
     (VNotStored, "the V cache does not hold sequence 0's values at the slots of its blocks [2, 0]"),
-    (IgnoresTheCache, "decode: attends only to this step's new keys, not to the cached ones"),
+    (IgnoresTheCache, "the prompt's second chunk (after cached keys): attends only to this step's new keys, not to "
+                      "the cached ones"),
     (Float64, "returned torch.float64, but the engine runs attention in torch.float32"),
     (RepeatedInCache, "store the KV heads, repeat only for the scores"),
     (NoMask, "the prefill's queries see later keys"),
@@ -175,6 +176,13 @@ class IsCausal(Skeleton):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
 
 
+class IsCausalForSeveralQueries(Skeleton):
+    """is_causal where a step has several queries, no mask for one: right in a first prefill and at decode, wrong
+    for a prompt's later chunk (chunked prefill, or a prefix from the cache), whose queries follow cached keys."""
+    def attend(self, q, k, v, visible):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[1] > 1, scale=self.scale, enable_gqa=True)
+
+
 class WholeBlocks(Skeleton):
     """Reads every slot of the sequence's blocks, the ones it has not filled too."""
     def slots(self, meta, b):
@@ -200,16 +208,25 @@ class WholeBlocksNoMask(WholeBlocks):
         return F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=True)
 
 
+class EverySequencesKeys(Skeleton):
+    def slots(self, meta, b):
+        return meta.kv_slots
+
+
 class WholeCache(Skeleton):
     def slots(self, meta, b):
         return torch.arange(16)                                           # the probe's 4 blocks x 4 slots
 
 
 @pytest.mark.parametrize("impl, words", [
-    (IsCausal, "decode: a decode query sees only its sequence's first key: is_causal=True in "
-               "F.scaled_dot_product_attention lets query i see keys 0..i"),
-    (WholeBlocks, "Sequence 0 has 5 keys so far (meta.visible[b] is (Lq, Lk) = (5, 5)), but 8 were read: every "
-                  "slot of sequence 0's blocks (2 x 4, also the ones it has not filled) or every sequence's keys"),
+    (IsCausal, "the prompt's second chunk (after cached keys): the queries are lined up with the first keys, not "
+               "the last: is_causal=True in F.scaled_dot_product_attention lets query i see keys 0..i"),
+    (IsCausalForSeveralQueries, "the prompt's second chunk (after cached keys): the queries are lined up with the "
+                                "first keys, not the last"),
+    (WholeBlocks, "Sequence 0 has 3 keys so far (meta.visible[b] is (Lq, Lk) = (3, 3)), but 8 were read: every "
+                  "slot of sequence 0's blocks (2 x 4, also the ones it has not filled). Read exactly its keys"),
+    (EverySequencesKeys, "Sequence 0 has 3 keys so far (meta.visible[b] is (Lq, Lk) = (3, 3)), but 5 were read: "
+                         "every sequence's keys (meta.kv_slots, all of them packed)"),
     (WholeBlocksNoMask, "prefill: reads every slot of the sequence's blocks, also the ones it has not filled (zeros), "
                         "and drops the mask"),
     (WritesACopy, "the cache is still all zeros after the prefill: write into kv_cache's own storage, in place"),

@@ -39,6 +39,22 @@ class NeverFrees(MyBlockManager):
         seq.block_table, seq.num_cached_tokens = [], 0
 
 
+class FreesOnlyTheLastUser(MyBlockManager):
+    """Releases a block when its last user frees it, but takes no user off otherwise: a shared prefix leaks."""
+    def free(self, seq):
+        for block in reversed(seq.block_table):
+            if self.ref_counts[block] == 1:
+                self.ref_counts[block] = 0
+                self.free_block_ids.append(block)
+        seq.block_table, seq.num_cached_tokens = [], 0
+
+
+class RaisesInMayAppend(MyBlockManager):
+    def may_append(self, seq):
+        seq.block_table[len(seq) // self.block_size + 5]          # a wrong index: the learner's line is named
+        super().may_append(seq)
+
+
 class IgnoresTheCache(MyBlockManager):
     def allocate(self, seq, num_cached_blocks=0):
         super().allocate(seq, 0)
@@ -67,7 +83,12 @@ def test_the_stub_on_the_given_base_is_not_attempted():
 
 
 @pytest.mark.parametrize("impl, words", [
-    (NeverFrees, "after free(A): used is 7, expected 5"),
+    (NeverFrees, "after free(A), block(s) [2, 6] are held by no sequence, but their ref_counts are [1, 1] and they are "
+                 "off the free list: every free takes one user off each of its blocks"),
+    (FreesOnlyTheLastUser, "after free(E) at the end, block(s) [1] are held by no sequence, but their ref_counts "
+                           "are [4]"),
+    (RaisesInMayAppend, "may_append(A) at 11 tokens raised IndexError: list index out of range in your may_append, "
+                        "line"),
     (IgnoresTheCache, "after allocate(B): the same 8-token prefix + 1: cached is"),
     (NeverRegistersOnAppend, "fits is 2, expected 3. A's third block filled up in may_append"),
     (NeverRegistersOnAppend, "register it in the cache")])

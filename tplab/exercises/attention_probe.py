@@ -1,5 +1,6 @@
-"""A learner's attention part alone, in this process: two sequences prefilled into a small paged
-cache, then one decode step each, against a plain reference, and against the usual mistakes."""
+"""A learner's attention part alone, in this process: two sequences prefilled into a small paged cache in two
+chunks (the second attends over cached keys too, as a prompt whose prefix was cached does), then one decode step
+each, against a plain reference, and against the usual mistakes."""
 import re
 from traceback import format_exception
 
@@ -11,8 +12,9 @@ from tplab.exercises import learner_line
 from tplab.exercises.layer_probes import NamedMistake, returned
 
 H, H_KV, D, BLOCK, BLOCKS = 4, 2, 8, 4, 4
-TABLES = [[2, 0], [3]]                             # sequence 0: 5 tokens then 6; sequence 1: 3 then 4
-STEPS = [([5, 3], [5, 3]), ([1, 1], [6, 4])]       # (query_lens, context_lens) of the prefill, the decode
+TABLES = [[2, 0], [3, 1]]                          # sequence 0: 3 tokens, 5, then 6; sequence 1: 2, 7, then 8
+STEPS = [([3, 2], [3, 2]), ([2, 5], [5, 7]), ([1, 1], [6, 8])]   # (query_lens, context_lens) of each step
+STEP_NAMES = ("prefill", "the prompt's second chunk (after cached keys)", "decode")
 
 
 MASKS = {"causal": lambda key, query: key <= query, "none": lambda key, query: key >= 0,
@@ -93,7 +95,8 @@ def _cache_problem(res) -> str | None:
 
 def _error_problem(res) -> str | None:
     """The error a step raised, in words when it is a usual mistake of the cache write or of GQA; else None."""
-    error, what = res["error"], ("prefill", "decode")[len(res["outs"])]
+    error, step = res["error"], len(res["outs"])
+    what = STEP_NAMES[step]
     text = str(error)
     said = f"{what}: raised {type(error).__name__}: {text}{learner_line(res['impl'], ''.join(format_exception(error)))}"
     sizes = re.search(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)", text)
@@ -101,7 +104,7 @@ def _error_problem(res) -> str | None:
         return (f"{said}. The queries have H = {H} heads, the keys and values H_kv = {H_KV}: each KV head serves "
                 f"H / H_kv = {H // H_KV} query heads (enable_gqa=True in F.scaled_dot_product_attention, or "
                 "repeat_interleave over the heads of the keys and values read from the cache, dim 0 of (H_kv, Lk, D))")
-    keys = _keys_read(sizes, what)
+    keys = _keys_read(sizes, step)
     if keys:
         return f"{said}. {keys}"
     blocks = re.search(r"indexing result of shape \[\d+, (\d+), \d+, \d+\]", text)
@@ -113,19 +116,18 @@ def _error_problem(res) -> str | None:
     return None
 
 
-def _keys_read(sizes, what: str) -> str | None:
+def _keys_read(sizes, step: int) -> str | None:
     """When a mask of (Lq, Lk) met scores over more keys than a sequence has: which keys were read, in words."""
     if not sizes:
         return None
-    query_lens, context_lens = STEPS[what == "decode"]
-    read = {}                                                  # a number of keys -> what reads that many
-    for b, table in enumerate(TABLES):
-        read.setdefault(len(table) * BLOCK, []).append(f"every slot of sequence {b}'s blocks ({len(table)} x {BLOCK}, "
-                                                       "also the ones it has not filled)")
-    read.setdefault(sum(context_lens), []).append("every sequence's keys (meta.kv_slots, all of them packed)")
-    read.setdefault(BLOCKS * BLOCK, []).append("the whole cache")
+    query_lens, context_lens = STEPS[step]
     got = {int(sizes[1]), int(sizes[2])}
     for b, lk in enumerate(context_lens):
+        read = {}                                              # a number of keys -> what reads that many
+        read.setdefault(len(TABLES[b]) * BLOCK, []).append(f"every slot of sequence {b}'s blocks ({len(TABLES[b])} x "
+                                                           f"{BLOCK}, also the ones it has not filled)")
+        read.setdefault(sum(context_lens), []).append("every sequence's keys (meta.kv_slots, all of them packed)")
+        read.setdefault(BLOCKS * BLOCK, []).append("the whole cache")
         many = next((n for n in got if n != lk and n in read), None)
         if lk in got and many is not None:
             return (f"Sequence {b} has {lk} keys so far (meta.visible[b] is (Lq, Lk) = ({query_lens[b]}, {lk})), but "
@@ -153,9 +155,10 @@ def diagnose(res) -> tuple[bool, str]:
         ([_reference(*data, step, mask="strict") for step in STEPS],
          "a query does not see its own key: the query at position i sees keys j <= i (meta.visible[b])"),
         ([_reference(*data, step, top_left=True) for step in STEPS],
-         "a decode query sees only its sequence's first key: is_causal=True in F.scaled_dot_product_attention "
-         "lets query i see keys 0..i (the mask's top left), right only where every key is new (Lq = Lk); with "
-         "cached keys pass attn_mask=meta.visible[b], where query i sees keys up to Lk - Lq + i"),
+         "the queries are lined up with the first keys, not the last: is_causal=True in "
+         "F.scaled_dot_product_attention lets query i see keys 0..i (the mask's top left), right only where every "
+         "key is new (Lq = Lk); after cached keys (a prompt's later chunk, a decode) pass attn_mask=meta.visible[b], "
+         "where query i sees keys up to Lk - Lq + i"),
         ([_reference(*data, step, tiled=True) for step in STEPS],
          f"query head h reads KV head h % {H_KV}: it must read KV head h // (H / H_kv) (repeat_interleave, "
          "not repeat; or enable_gqa=True)"),
@@ -171,7 +174,7 @@ def diagnose(res) -> tuple[bool, str]:
          "step's), and attend to all of them"),
     ]
     for step, (out, want) in enumerate(zip(res["outs"], ref)):
-        what = ("prefill", "decode")[step]
+        what = STEP_NAMES[step]
         if out.shape != want.shape:
             return False, f"{what}: returned shape {tuple(out.shape)}, expected (T, H * D) = {tuple(want.shape)}"
         if out.dtype != want.dtype:

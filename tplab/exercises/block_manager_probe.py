@@ -1,10 +1,13 @@
 """A learner's block manager alone: a scripted run of admissions, appends and frees with shared
-prefixes, the same script as tplab's ``BlockManager`` runs, compared step by step on what must
-agree whatever the free-list order: table lengths, cached tokens, which sequences share blocks,
-blocks in use, prefix-cache hits, and whether a sequence fits."""
+prefixes, ending with every sequence freed, the same script as tplab's ``BlockManager`` runs, compared step by
+step on what must agree whatever the free-list order: table lengths, cached tokens, which sequences share
+blocks, blocks in use, prefix-cache hits, and whether a sequence fits."""
+from traceback import format_exception
+
 from tplab.engine.block_manager import BlockManager, chain_hash
 from tplab.engine.sampling import SamplingParams
 from tplab.engine.sequence import Sequence
+from tplab.exercises import learner_line
 
 PREFIX = list(range(100, 108))                      # two full blocks of 4, shared by several prompts
 
@@ -25,6 +28,7 @@ def _snapshot(bm, live, what):
             "distinct_held": len(held), "used": bm.num_used_blocks, "hits": bm.prefix_cache_hit_blocks,
             "_undercounted": sorted(b for b in held if refs is not None and refs[b] < len(holders[b])),
             "_cached_blocks": len(getattr(bm, "hash_to_block_id", {})),
+            "_unheld": {b: refs[b] for b in range(len(refs)) if refs[b] > 0 and b not in held} if refs else {},
             "_freed_held": {b: holders[b] for b in sorted(held & set(bm.free_block_ids))}}
 
 
@@ -47,7 +51,8 @@ def run(impl) -> list[dict]:
     except NotImplementedError:
         raise
     except Exception as e:
-        snaps.append({"step": "the next step", "error": f"{type(e).__name__}: {e}"})
+        snaps.append({"step": "the next step",
+                      "error": f"{type(e).__name__}: {e}{learner_line(impl, ''.join(format_exception(e)))}"})
     return snaps
 
 
@@ -83,6 +88,8 @@ def _script(bm, snaps: list) -> None:
     admit(_seq(4, a.token_ids[:12] + [5]), "allocate(E): A's first 3 blocks, freed but still cached")
     admit(_seq(5, list(range(300, 320))), "allocate(F): 20 tokens, more than the free blocks")
     admit(_seq(6, PREFIX), "allocate(G): the 8-token prefix alone, D still holds it")
+    for seq in list(live):                                          # the end: every block back on the free list
+        free(seq, f"free({'ABCDEFG'[seq.seq_id]}) at the end")
 
 
 WHY = {"lengths": "block_table needs one block per block_size tokens",
@@ -118,6 +125,10 @@ def _named(got: dict, want: dict) -> str | None:
         held = ", ".join(f"block {b} by {'ABCDEFG'[s[0]]}" for b, s in got["_freed_held"].items())
         return (f"after {name}, a block still held went back on the free list ({held}; a prefix shared by a cache "
                 "hit): one user less each (ref_counts[block] -= 1), back on the free list only when that reaches 0")
+    if got.get("_unheld") and step.startswith("free("):
+        return (f"after {name}, block(s) {list(got['_unheld'])} are held by no sequence, but their ref_counts are "
+                f"{list(got['_unheld'].values())} and they are off the free list: every free takes one user off each "
+                "of its blocks (ref_counts[block] -= 1), and a block goes back on the free list when that reaches 0")
     if step.startswith("free(") and got.get("emptied") != want["emptied"]:
         return (f"after {name}, the sequence still has {got['emptied'][0]} blocks in its block_table and "
                 f"num_cached_tokens {got['emptied'][1]}: it holds none any more (a preempted one is allocated again), "
