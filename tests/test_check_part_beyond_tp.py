@@ -164,6 +164,12 @@ class Bf16Buffers(Stage):
                           self.peer(self.pp_rank - 1)) for _ in range(2))
 
 
+class IgnoresTheDtype(Stage):
+    def recv(self, rows, hidden_size, dtype, device):                  # fp32 whatever the dtype asked: bf16 dies
+        return tuple(recv(torch.empty(rows, hidden_size, device=device), self.peer(self.pp_rank - 1))
+                     for _ in range(2))
+
+
 MISTAKES = [  # (part, impl, TP size, words the message must hold, words it must not)
     ("sp_norm_region", NoPadding, 2, "pad them with zero rows", None),
     ("sp_norm_region", AllReduced, 2, "that is an all-reduce", None),
@@ -204,6 +210,8 @@ MISTAKES = [  # (part, impl, TP size, words the message must hold, words it must
      "loses a message whose request is garbage-collected", "peer is world rank"),
     ("pipeline_stage", Bf16Buffers, 2, "rank 2 (stage 1, TP rank 0): its recv made a (5, 8) torch.bfloat16 buffer "
      "of 80 B for the (5, 8) torch.float32 tensor of 160 B the previous stage sent", "died"),
+    ("pipeline_stage", IgnoresTheDtype, 2, "rank 2 (stage 1, TP rank 0): its recv made a (1, 8) torch.float32 buffer "
+     "of 32 B for the (1, 8) torch.bfloat16 tensor of 16 B the previous stage sent", "died"),
     ("sp_norm_region", _mistake("NoAllGather", Region, norm_gather=lambda self, x, norm: norm(x)), 2,
      "norm_gather returned this rank's 3 normed rows, not gathered: the next layer needs all T tokens", None),
     ("sp_norm_region", _mistake("LocalNoPad", Region, local=lambda self, full: full[

@@ -25,6 +25,7 @@ from tplab.exercises import dist_watch
 
 E, PP = 8, 2
 ROWS = (5, 1)                       # a prefill's rows, then a decode step's: a recv that reuses its buffers shows
+DTYPES = (torch.float32, torch.bfloat16)    # and in another dtype: a recv that ignores its dtype shows too
 WORDS = {  # what the watch saw, worded; {who} is the rank, {what} what it did
     "peer": "{who}: {what}; its peer is world rank {peer}, the same TP rank one stage away: a stage's peer is "
             "world rank (pp_rank +/- 1) * tp_size + tp_rank",
@@ -41,7 +42,7 @@ WORDS = {  # what the watch saw, worded; {who} is the rank, {what} what it did
               "buffer is not the size of the message (\"Received data size doesn't match expected size\"), and "
               "reads the bytes as another dtype where only the dtype differs. Make each buffer torch.empty(rows, "
               "hidden_size, dtype=dtype, device=device) from the arguments recv is given (they change: a "
-              "prefill's rows, then a decode step's)",
+              "prefill's rows, then a decode step's; the dtype is the model's, bf16 as well as fp32)",
     "nothing": "{who}: its {what} waited for a tensor the previous stage never sent (it sent {sent}): send and "
                "recv must match one for one, hidden then residual",
     "stuck": "{who}: {what} within {seconds:.3g} s",
@@ -55,8 +56,8 @@ class Refused(BaseException):
 def pairs(tp: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """``[tp_rank][k]``: the ``(hidden, residual)`` that TP rank sends as its k-th pair, all different."""
     gen = torch.Generator().manual_seed(tp)
-    return [[(torch.randn(rows, E, generator=gen), 10 + torch.randn(rows, E, generator=gen)) for rows in ROWS]
-            for _ in range(tp)]
+    return [[(torch.randn(rows, E, generator=gen).to(dtype), (10 + torch.randn(rows, E, generator=gen)).to(dtype))
+             for rows, dtype in zip(ROWS, DTYPES)] for _ in range(tp)]
 
 
 class Request:
@@ -234,7 +235,7 @@ def run(blob: bytes, tp: int, run_id: str, seconds: float) -> dict:
                     watch.in_send = None
                     watch.after_send()
             else:
-                got = [stage.recv(rows, E, torch.float32, torch.device("cpu")) for rows in ROWS]
+                got = [stage.recv(rows, E, dtype, torch.device("cpu")) for rows, dtype in zip(ROWS, DTYPES)]
         except Refused:
             pass
         finally:
@@ -264,8 +265,8 @@ def _values_problem(gots, sent, tp: int) -> str | None:
                     ": did you forget `return`?" if pair is None else "")
             if same(pair[0], hidden) and same(pair[1], residual):
                 continue
-            if any(isinstance(x, torch.Tensor) and x.dtype != torch.float32 for x in pair):
-                return f"{where}: recv returned {[x.dtype for x in pair]}, asked for torch.float32: keep the dtype"
+            if any(isinstance(x, torch.Tensor) and x.dtype != DTYPES[k] for x in pair):
+                return f"{where}: recv returned {[x.dtype for x in pair]}, asked for {DTYPES[k]}: keep the dtype"
             if same(pair[0], residual) and same(pair[1], hidden):
                 return f"{where} received residual and hidden swapped: receive them in the order send sent them"
             if same(pair[0], hidden):
