@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tplab.exercises import check_part
+from tplab.exercises import check_engine, check_part
 from tplab.exercises.solutions import define
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -246,3 +246,13 @@ def test_attention_cache_and_gqa_mistakes_are_named(impl, words):
     result = check_part("attention", impl)
     assert result.ok is False and words in result.message, result.message
     assert "repeated K/V" not in result.message, result.message
+
+
+def test_check_engine_says_a_first_token_off_comes_from_a_prefill_not_the_decode_steps():
+    """Served with a block manager (prefix caching on), an attention wrong only after cached keys changes the first
+    token of a prompt whose prefix was cached: a prefill's, which the verdict must not blame on decode steps."""
+    parts = {"attention": IsCausalForSeveralQueries, "block_manager": define("block_manager")["MyBlockManager"]}
+    result = check_engine(parts)
+    assert result.ok is False and "the first already, which a prefill samples. Serving adds prompts whose prefix " \
+        "comes from the prefix cache" in result.message, result.message
+    assert "decode steps go wrong" not in result.message

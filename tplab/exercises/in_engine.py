@@ -186,3 +186,16 @@ def serve_here(cfg, prompts, params) -> tuple[list[list[int]], dict]:
     """In a rank: one ``Worker`` of ``cfg`` (the engine ``LLM`` runs) generates; its tokens and stats."""
     worker = Worker(cfg)
     return [ids for ids, _, _ in worker.generate(prompts, params)], worker.stats()
+
+
+def tokens_differ(tokens: list[list[int]], want: list[list[int]], tp: int, workload: bool) -> str:
+    """Why greedy tokens served at TP ``tp`` differ from HF's ``want``, in words: where the first difference is
+    says which step made it (``workload``: ``serve`` ran the block manager's workload)."""
+    i = next(i for i, (a, b) in enumerate(zip(tokens, want)) if a != b)
+    said = (f"a prompt prefilled alone matches HF sublayer by sublayer, but the greedy tokens of prompt {i} at TP {tp} "
+            f"differ: {tokens[i]} vs HF's {want[i]}")
+    if tokens[i][:1] == want[i][:1]:
+        return f"{said} (decode steps go wrong)"
+    return (f"{said}: the first already, which a prefill samples. Serving adds " + ("prompts whose prefix comes from "
+            "the prefix cache (attention over cached keys with several new queries, and the blocks they share)"
+            if workload else "several prompts prefilled together in one step (each sequence's own keys and mask)"))

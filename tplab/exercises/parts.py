@@ -25,7 +25,7 @@ from tplab.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_ma
                              is_stub_error, learner_line, solutions, sp_region_probe, watchdog)
 from tplab.exercises.layer_diagnoses import DIAGNOSE
 from tplab.exercises.in_engine import (NEW_TOKENS, aborted_because, engine_acts, engine_config, first_diff, kept_ranks,
-                                      reference, serve, worst_share)
+                                      reference, serve, tokens_differ, worst_share)
 from tplab.exercises.layer_probes import LAYER_HINTS, SPECS, NamedMistake, probe_in_rank, run_probe, spec_of
 from tplab.exercises.watchdog import DidNotReturn, call_bounded
 from tplab.models.checkpoints import tiny_stories
@@ -192,9 +192,7 @@ def _verdict(name, parts, tp, acts1, acts, tokens, want, stats) -> ExerciseResul
         if why:
             return ExerciseResult(name, False, why)
     if tokens != want:
-        i = next(i for i, (a, b) in enumerate(zip(tokens, want)) if a != b)
-        return ExerciseResult(name, False, f"prefill matches HF, but the greedy tokens of prompt {i} at TP {tp} "
-                              f"differ: {tokens[i]} vs HF's {want[i]} (decode steps go wrong)")
+        return ExerciseResult(name, False, tokens_differ(tokens, want, tp, "block_manager" in parts))
     if "block_manager" in parts and not (stats["num_preemptions"] and stats["prefix_cache_hit_blocks"]):
         return ExerciseResult(name, False, f"the tokens are right, but the workload should have preempted and hit "
                               f"the prefix cache: {stats['num_preemptions']} preemptions, "
