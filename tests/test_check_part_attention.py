@@ -159,6 +159,11 @@ class ScaledByHeadDim(Skeleton):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=1 / self.head_dim, enable_gqa=True)
 
 
+class ScaledBySqrtHeadDim(Skeleton):
+    def attend(self, q, k, v, visible):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.head_dim ** 0.5, enable_gqa=True)
+
+
 class InvertedMask(Skeleton):
     def attend(self, q, k, v, visible):
         return super().attend(q, k, v, ~visible)
@@ -240,6 +245,7 @@ class WholeCache(Skeleton):
     (NoGQA, "The queries have H = 4 heads, the keys and values H_kv = 2: each KV head serves H / H_kv = 2 query "
             "heads (enable_gqa=True"),
     (ScaledByHeadDim, "the scores are scaled by 1 / head_dim"),
+    (ScaledBySqrtHeadDim, "the scores are multiplied by sqrt(head_dim): divide by it"),
     (InvertedMask, "the mask is inverted: meta.visible[b] is True where a query may attend"),
     (OwnKeyHidden, "a query does not see its own key")])
 def test_attention_cache_and_gqa_mistakes_are_named(impl, words):

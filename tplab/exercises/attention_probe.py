@@ -165,6 +165,8 @@ def diagnose(res) -> tuple[bool, str]:
         ([_reference(*data, step, scale=1.0) for step in STEPS], "the scores are not scaled by 1 / sqrt(head_dim)"),
         ([_reference(*data, step, scale=1.0 / D) for step in STEPS],
          "the scores are scaled by 1 / head_dim: the scale is 1 / sqrt(head_dim) (self.scale)"),
+        ([_reference(*data, step, scale=D ** 0.5) for step in STEPS],
+         "the scores are multiplied by sqrt(head_dim): divide by it, the scale is head_dim ** -0.5 (self.scale)"),
         ([_reference(*data, step, mask="none", whole_blocks=True) for step in STEPS],
          "reads every slot of the sequence's blocks, also the ones it has not filled (zeros), and drops the mask: "
          "read exactly its keys, meta.seq_kv_slots(b), and apply meta.visible[b], the (Lq, Lk) causal mask"),
