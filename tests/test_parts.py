@@ -91,3 +91,13 @@ def test_a_part_this_engine_never_uses_is_refused_and_used_where_its_setting_is_
     assert engine_config(checkpoint("gqa"), parts={"static_decode": MyStatic}, static_decode=True).parts.static_decode \
         is MyStatic
     assert engine_config(checkpoint("gqa"), bugs=["graph_stale_inputs"], static_decode=True).static_decode
+
+
+def test_an_instructors_own_pitfall_is_found_by_name_beside_tplabs(monkeypatch):
+    """``provide_bugs`` is how ``tplab/__init__.py`` hands the engine tplab.bugs; another catalogue joins the names."""
+    import tplab.engine.parts as parts_module
+    monkeypatch.setattr(parts_module, "_bug_catalogues", list(parts_module._bug_catalogues))
+    parts_module.provide_bugs(lambda: {"rope_mine": {"apply_rope": my_rope}})
+    assert resolve(["rope_mine"]).apply_rope is my_rope
+    assert resolve(["no_rope"]).apply_rope is no_rope_apply                       # tplab's are still there
+    assert "rope_mine" in known_bugs() and set(bugs.NAMES) < set(known_bugs())
