@@ -1,15 +1,14 @@
 """The one place where the engine's replaceable parts are chosen.
 
 An engine is built from a ``Parts``: its fields, below, are every replaceable piece (the layer classes and
-functions its model is made of, how a layer multiplies, the checkpoint loader, the block manager, the
-pipeline stage, the experts and their exchange, ...). ``resolve(bugs, parts)`` starts from tplab's own, swaps
-in the named pitfalls (``LLM(bugs=[...])``, found by name in the catalogue ``tplab/__init__.py`` hands it) and a
-learner's own parts
-(``LLM(parts={...})``), and refuses two replacements of the same field. The experts' exchange under data
+functions its model is made of, how a layer multiplies, the checkpoint loader, the block manager, the pipeline
+stage, the experts and their exchange, ...). ``resolve(bugs, parts)`` starts from tplab's own, swaps in the named
+pitfalls (``LLM(bugs=[...])``, found by name in the catalogue ``tplab/__init__.py`` hands it) and a learner's own
+parts (``LLM(parts={...})``), and refuses two replacements of the same field. The experts' exchange under data
 parallelism (``moe_dispatch``, ``moe_combine``) is called by the experts, so a replaced one is handed to the
 ``experts`` class here, as its ``dispatch=`` / ``combine=``. It runs once, in the process that creates the
-``LLM``; the resolved ``Parts`` travels to every rank inside the ``EngineConfig``, and nothing in the engine
-asks which bug is on.
+``LLM``; the resolved ``Parts`` travels to every rank inside the ``EngineConfig``, and nothing in the engine asks
+which bug is on.
 """
 import dataclasses
 import functools
