@@ -8,14 +8,15 @@ import cloudpickle
 import pytest
 import torch
 
-from tplab.distributed.parallel_state import all_reduce
+from tplab.distributed.parallel_state import all_gather, all_reduce
 from tplab.exercises import FORGOT_RETURN, check_engine, check_part
 from tplab.exercises.solutions import PARTS, define
 from tplab.layers import copy_into
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])    # the parts below travel to the ranks by value
 
-Row, GateUp, Stage = (define(name)[PARTS[name]] for name in ("row_linear", "gate_up_linear", "pipeline_stage"))
+Row, GateUp, Stage, Embedding, LMHead = (define(name)[PARTS[name]] for name in (
+    "row_linear", "gate_up_linear", "pipeline_stage", "embedding", "lm_head"))
 
 
 class Stub(torch.nn.Module):
@@ -201,5 +202,30 @@ class CopiesTheWholeWeight(GateUp):
     ("gate_up_linear", CopiesTheWholeWeight, "Hint: what you copy must have the shape of where it goes"),
 ])
 def test_an_error_in_a_layer_part_gets_the_hint_that_names_its_mistake(name, impl, words):
+    result = check_part(name, impl)
+    assert result.ok is False and words in result.message, result.message
+
+
+class PaddingSlicedOffTheTokens(LMHead):
+    def forward(self, hidden):
+        logits = all_gather(hidden @ self.weight.T, self.tp_size, dim=-1)
+        return logits[: self.num_embeddings]                       # dim 0, the tokens: the padding stays
+
+
+class IdsNotShifted(Embedding):
+    def forward(self, input_ids):
+        local = input_ids                                           # not minus this rank's first id
+        mine = (local >= 0) & (local < self.per_rank)
+        y = self.weight[local.masked_fill(~mine, 0)].masked_fill(~mine[:, None], 0.0)
+        return all_reduce(y, self.tp_size)
+
+
+@pytest.mark.parametrize("name, impl, words", [
+    ("lm_head", PaddingSlicedOffTheTokens, "drop the padding on the last dim, the vocabulary, logits[:, "
+                                           ":num_embeddings] (the first 11); logits[:num_embeddings] slices dim 0"),
+    ("embedding", IdsNotShifted, "every rank looked the ids up as they are, as rows of its own shard: the ids are the "
+                                 "whole vocabulary's, and rank r's row 0 is id r * 6. Subtract this rank's first id"),
+])
+def test_a_vocabulary_part_indexed_on_the_wrong_dim_or_rows_is_named(name, impl, words):
     result = check_part(name, impl)
     assert result.ok is False and words in result.message, result.message

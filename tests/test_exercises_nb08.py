@@ -65,12 +65,19 @@ def not_cast(logits, k, renormalize):
     return (w / w.sum(-1, keepdim=True) if renormalize else w), i
 
 
+def renormalized_over_the_tokens(logits, k, renormalize, dims=()):    # weights.sum(), or .sum(dim=0) with dims (0,)
+    w, i = _softmax_top(logits, k)
+    return (w / w.sum(*dims) if renormalize else w).to(logits.dtype), i
+
+
 @pytest.mark.parametrize("fn,words", [
     (not_renormalized, "not renormalised where the model says to"),
     (always_renormalized, "renormalised where the model says not to"),
     (softmax_of_the_k, "softmax is taken over the k chosen logits"),
     (softmax_in_bf16, "take the softmax in fp32"),
-    (not_cast, "cast the weights back to the logits' dtype")])
+    (not_cast, "cast the weights back to the logits' dtype"),
+    (renormalized_over_the_tokens, "not by each token's own: divide by weights.sum(dim=-1, keepdim=True)"),
+    (lambda logits, k, norm: renormalized_over_the_tokens(logits, k, norm, (0,)), "a sum over the tokens")])
 def test_each_router_mistake_is_named(fn, words):
     result = nb08.check_select_experts(fn)
     assert result.ok is False and words in result.message, result.message

@@ -10,11 +10,12 @@ from tplab.exercises.solutions import PARTS, define
 from tplab.layers import copy_into
 
 Row, Embedding = define("row_linear")[PARTS["row_linear"]], define("embedding")[PARTS["embedding"]]
+GateUp, QKV = define("gate_up_linear")[PARTS["gate_up_linear"]], define("qkv_linear")[PARTS["qkv_linear"]]
 
 
-def _diagnose_weights(name: str, impl, tp: int = 2):
+def _diagnose_weights(name: str, impl, tp: int = 2, forward: bool = False):
     spec = spec_of(name)
-    return DIAGNOSE[name](spec, [run_probe(impl, spec, r, tp, forward=False) for r in range(tp)], tp)
+    return DIAGNOSE[name](spec, [run_probe(impl, spec, r, tp, forward=forward) for r in range(tp)], tp)
 
 
 class Rank0Columns(Row):
@@ -97,3 +98,50 @@ def test_vocabulary_padding_left_to_torch_empty_is_named():
     ok, why = _diagnose_weights("embedding", PaddingRowsLeftEmpty)     # 11 rows over 2 ranks: rank 1 pads one
     assert ok is False and why.startswith("rank 1: part of `weight` holds NaN, torch.empty's values") \
         and "zeros past the real vocabulary" in why, why
+
+
+class UpOverGate(GateUp):
+    """Writes up_proj at the offset where gate_proj went (tp_rank * rows for both): up overwrites gate."""
+    def weight_loader(self, param, loaded, shard_id):
+        rows = self.local_sizes[shard_id]
+        copy_into(param.data.narrow(0, self.tp_rank * rows, rows), loaded.narrow(0, self.tp_rank * rows, rows))
+
+
+class NoKVHeadAtTP4(QKV):
+    """num_kv_heads = total_num_kv_heads // tp_size, without max(1, ...): 0 KV heads a rank at TP 4 of 2 KV heads."""
+    def __init__(self, hidden_size, head_size, total_num_heads, total_num_kv_heads, bias=True, tp_rank=None,
+                 tp_size=None):
+        super().__init__(hidden_size, head_size, total_num_heads, total_num_kv_heads, bias, tp_rank, tp_size)
+        self.num_kv_heads = total_num_kv_heads // self.tp_size
+        self.kv_size = self.num_kv_heads * head_size
+        for name in ("weight", "bias"):
+            shape = (self.q_size + 2 * self.kv_size, hidden_size)[:getattr(self, name).dim()]
+            setattr(self, name, torch.nn.Parameter(torch.empty(shape), requires_grad=False))
+            getattr(self, name).weight_loader = self.weight_loader
+
+
+class BiasOnRank0(QKV):
+    """Adds the bias on rank 0 only, as a row-parallel layer does before its all-reduce."""
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y + self.bias if self.tp_rank == 0 else y
+
+
+@pytest.mark.parametrize("name, impl, tp, forward, words", [
+    ("gate_up_linear", UpOverGate, 1, False, "rows 0-11 hold up_proj's rows 0-11, expected gate_proj's rows 0-11 ([this "
+                                             "rank's gate rows | this rank's up rows]); gate and up were written at the "
+                                             "same offset"),
+    ("gate_up_linear", UpOverGate, 2, False, "gate and up were written at the same offset, up over gate: in the fused "
+                                             "rows up starts after this rank's gate rows"),
+    ("qkv_linear", NoKVHeadAtTP4, 4, False, "`weight` has shape (4, 8), expected (12, 8) (rows [q heads | k heads | v "
+                                            "heads] of this rank); at TP 4 there are fewer KV heads (2) than ranks, so "
+                                            "total_num_kv_heads // tp_size is 0: each rank keeps one KV head, a replica, "
+                                            "num_kv_heads = max(1, total_num_kv_heads // tp_size)"),
+    ("qkv_linear", BiasOnRank0, 4, True, "rank 1: the bias is missing on this rank: added on rank 0 only, as a "
+                                         "row-parallel layer does before its all-reduce. A column-parallel layer's bias "
+                                         "is sharded with its rows"),
+])
+def test_column_parallel_loading_and_bias_mistakes_are_named(name, impl, tp, forward, words):
+    ok, why = _diagnose_weights(name, impl, tp, forward)
+    assert ok is False and words in why, why
+    assert _diagnose_weights(name, define(name)[PARTS[name]], tp, forward) == (True, "")

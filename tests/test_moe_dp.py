@@ -2,8 +2,12 @@
 against HF's own MoE models: greedy tokens equal HF's and logprobs are within the fp32 bound at DP 2 x EP and
 DP 2 x TP 2 x EP, with chunked prefill, prefix-cache hits and preemption on every DP rank in the same run, over
 shared memory and over gloo, and composed with pipeline parallelism (DP 2 x PP 2, x TP 2); the answers come back in prompt order; a DP rank with no prompt joins every
-exchange and nothing hangs; a dense model's DP ranks are replicas; the sizes are checked before any rank starts."""
+exchange and nothing hangs; a dense model's DP ranks are replicas; the sizes are checked before any rank starts; a
+learner's dispatch whose per-expert counts differ in width between ranks is named (torch.bincount's minlength)."""
+import sys
+
 import pytest
+import torch
 
 from conftest import hf_greedy
 from tplab import LLM, SamplingParams, models
@@ -155,3 +159,26 @@ def test_the_sizes_are_checked_before_any_rank_starts(tmp_path, checkpoint, no_n
     for bad in (0, "2", True):
         with pytest.raises(ValueError, match=r"data_parallel_size must be an int >= 1"):
             LLM(checkpoint("gqa"), data_parallel_size=bad)
+
+
+def counts_without_minlength(x, ids, num_experts, ep_rank, ep_size):
+    """The reference dispatch counting with torch.bincount(ids.flatten()): only as long as the rank's largest id + 1."""
+    from tplab.distributed.parallel_state import all_to_all, ep_all_gather
+    per_rank, order = num_experts // ep_size, ids.flatten().argsort(stable=True)
+    plan = ep_all_gather(torch.bincount(ids.flatten()), ep_size).view(ep_size, ep_size, per_rank)
+    local = torch.arange(per_rank).repeat(ep_size).repeat_interleave(plan[:, ep_rank].flatten())
+    return all_to_all(x[order // ids.shape[1]], plan.sum(-1).tolist()), local, order, plan.sum(-1).tolist()
+
+
+def test_a_dispatch_whose_counts_skip_the_experts_no_token_chose_is_named():
+    import cloudpickle
+
+    from tplab.exercises import check_part, in_engine
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])       # the dispatch travels to the ranks by value
+    try:
+        result = check_part("moe_dispatch", counts_without_minlength)
+    finally:
+        in_engine.close_kept_ranks()
+    assert result.ok is False and "all_gather have different widths: [[8], [7]] (rank by rank): one entry per " \
+        "expert (8) on one rank, fewer on another" in result.message, result.message
+    assert "torch.bincount(ids.flatten(), minlength=num_experts)" in result.message, result.message

@@ -116,7 +116,11 @@ def _mismatch(everyone: list) -> str | None:
                 "in the same order, also a rank with no tokens (an idle DP rank sends and receives zero rows)")
     widths = [info["width"] for _, info in everyone]
     if len(set(map(tuple, widths))) > 1:
-        return f"the ranks' tensors in {names[0]} have different widths: {widths} (rank by rank)"
+        counts = names[0].startswith("all_gather") and {len(w) for w in widths} == {1} and max(widths) == [X]
+        return f"the ranks' tensors in {names[0]} have different widths: {widths} (rank by rank)" + (
+            f": one entry per expert ({X}) on one rank, fewer on another, as torch.bincount(ids.flatten()) counts "
+            "only up to the largest id it sees. Each rank's counts need one entry per expert, also for the experts "
+            "none of its tokens chose: torch.bincount(ids.flatten(), minlength=num_experts)" if counts else "")
     if names[0] != "all_to_all_single":
         return None
     for i, (_, mine) in enumerate(everyone):

@@ -4,25 +4,12 @@ expected weights and outputs are worked out here from the full tensors, with pla
 import torch
 import torch.nn.functional as F
 
-from tplab.exercises.layer_probes import D, E, H, H_KV, I, V
+from tplab.exercises.layer_probes import D, E, H, H_KV, I, V, device_or_dtype_mistake, vocab_shards
 
 ALL_REDUCE = "tplab.distributed.parallel_state.all_reduce(y, tp_size) or torch.distributed.all_reduce(y)"
 # requires_grad=True on a part's parameters is not checked: the engine runs every step under
 # torch.inference_mode(), so no graph is recorded, no activation is kept for a backward and no .grad is
 # ever allocated; the numbers and the memory are the same as with requires_grad=False.
-
-
-def device_or_dtype_mistake(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """A sentence when ``got`` (a part's parameter or output) is not on the device, or in the dtype, the engine
-    runs in."""
-    if isinstance(got, torch.Tensor) and got.device != want.device:
-        return (f"{what} is on device {got.device}, but the engine runs this layer on {want.device} (its input's): "
-                "make new tensors with device=x.device, and keep results where they were computed")
-    if not isinstance(got, torch.Tensor) or got.dtype == want.dtype:
-        return None
-    return (f"{what} is {got.dtype}, but the engine runs this layer in {want.dtype} (the model's dtype: its "
-            f"input's and its weights'): make new tensors with dtype=x.dtype (or the default dtype, which the "
-            f"engine sets to the model's), or cast with .to(x.dtype)")
 
 
 def _near(got, want: torch.Tensor) -> bool:
@@ -175,6 +162,10 @@ def diagnose_gate_up_linear(spec, results, tp):
                    "needs its rows of gate_proj AND its rows of up_proj, so silu(gate) * up pairs up on the rank")
         elif _near(got, torch.cat([u[:rows], g[:rows]])):
             bad = "rank 0 holds [up | gate]: shard_id 0 is gate_proj and goes first, shard_id 1 is up_proj"
+        elif _shape(got) == (2 * rows, E) and _near(got[:rows], u[:rows]):
+            bad += ("; gate and up were written at the same offset, up over gate: in the fused rows up starts after "
+                    "this rank's gate rows, at I / tp (the sum of the local sizes before shard_id) whatever the rank; "
+                    "tp_rank only picks the checkpoint rows to narrow")
         elif tp > 1 and _shape(got) == (2 * I, E // tp):
             bad += "; yours keeps every row and a slice of the columns: sharded on the wrong dimension (dim 1)"
         elif tp > 1 and _near(got, torch.cat([t[:, :E // tp].reshape(rows, E) for t in (g, u)])):
@@ -207,6 +198,10 @@ def diagnose_qkv_linear(spec, results, tp):
     right = [fused(r, r // reps) for r in range(tp)]
     bad = _check_param(results, "weight", [w for w, _ in right], "rows [q heads | k heads | v heads] of this rank",
                        {"q_proj": q, "k_proj": k, "v_proj": v})
+    if bad and reps > 1 and _shape(results[0]["params"].get("weight"))[:1] == (nh * D,):        # no KV rows
+        return False, (bad + f"; at TP {tp} there are fewer KV heads ({H_KV}) than ranks, so total_num_kv_heads // "
+                       "tp_size is 0: each rank keeps one KV head, a replica, num_kv_heads = max(1, "
+                       "total_num_kv_heads // tp_size)")
     if bad and reps > 1:
         for r, res in enumerate(results):
             got = res["params"].get("weight")
@@ -225,19 +220,16 @@ def diagnose_qkv_linear(spec, results, tp):
                               {"q_proj.bias": bq, "k_proj.bias": bk, "v_proj.bias": bv}, "entry")
     if bad or "out" not in results[0]:                                      # weights only: stop here
         return not bad, bad or ""
-    return _check_output(results, [spec.x @ w.T + b for w, b in right], [])
-
-
-def _vocab_shards(w: torch.Tensor, tp: int) -> tuple[int, list[torch.Tensor]]:
-    """``w`` (V, E) padded with zero rows to a multiple of ``tp``: rows per rank, and each rank's (per_rank, E)."""
-    per_rank = -(-V // tp)
-    padded = torch.cat([w, w.new_zeros(per_rank * tp - V, E)])
-    return per_rank, list(padded.split(per_rank))
+    return _check_output(results, [spec.x @ w.T + b for w, b in right], [
+        ("bias on rank 0", [spec.x @ w.T + (b if r == 0 else 0) for r, (w, b) in enumerate(right)], "the bias is "
+         "missing on this rank: added on rank 0 only, as a row-parallel layer does before its all-reduce. A column-"
+         "parallel layer's bias is sharded with its rows (this rank's q | k | v entries): add it on every rank"),
+        ("no bias", [spec.x @ w.T for w, _ in right], "the bias is not added: y = x @ self.weight.T + self.bias")])
 
 
 def diagnose_embedding(spec, results, tp):
     w, ids = spec.weights[0][1], spec.x
-    per_rank, shard = _vocab_shards(w, tp)
+    per_rank, shard = vocab_shards(w, tp)
     bad = _check_param(results, "weight", shard, f"rows [r * {per_rank}, (r + 1) * {per_rank}) of the vocabulary "
                        "padded to a multiple of tp_size, zeros past the real vocabulary")
     if bad or "out" not in results[0]:                                      # weights only: stop here
@@ -256,6 +248,10 @@ def diagnose_embedding(spec, results, tp):
          "but that row was not zeroed: each rank adds its row 0 for every id it does not own. After the lookup, "
          "zero the rows of those ids (y.masked_fill(~mine[:, None], 0)), then all-reduce"),
         ("no all-reduce", local, f"returned only the ids it owns (zeros elsewhere): no all-reduce. {ALL_REDUCE}"),
+        ("not shifted", [sum(s[ids.clamp(0, per_rank - 1)] * (ids < per_rank)[:, None] for s in shard)] * tp,
+         "every rank looked the ids up as they are, as rows of its own shard: the ids are the whole vocabulary's, "
+         f"and rank r's row 0 is id r * {per_rank}. Subtract this rank's first id before the mask and the lookup: "
+         "local = input_ids - tp_rank * per_rank"),
         ("twice", [full * tp] * tp, f"{tp}x the right embedding: reduced twice"),
         ("averaged", [full / tp] * tp, f"1/{tp} of the right embedding: averaged, not summed"),
     ])
@@ -263,7 +259,7 @@ def diagnose_embedding(spec, results, tp):
 
 def diagnose_lm_head(spec, results, tp):
     w, hidden = spec.weights[0][1], spec.x
-    per_rank, shard = _vocab_shards(w, tp)
+    per_rank, shard = vocab_shards(w, tp)
     bad = _check_param(results, "weight", shard,
                        f"this rank's {per_rank} rows of the vocabulary padded to a multiple of tp_size")
     if bad or "out" not in results[0]:                                      # weights only: stop here
@@ -273,8 +269,9 @@ def diagnose_lm_head(spec, results, tp):
     return _check_output(results, [logits[:, :V]] * tp, [
         ("no gather", local, "returned only this rank's slice of the vocabulary: all-gather every rank's "
          "(N, vocab / tp) logits along the last dim"),
-        ("padding", [logits] * tp, f"returned {per_rank * tp} logits: drop the padding, keep the first "
-         f"num_embeddings = {V}"),
+        ("padding", [logits] * tp, f"returned {per_rank * tp} logits a token: drop the padding on the last dim, the "
+         f"vocabulary, logits[:, :num_embeddings] (the first {V}); logits[:num_embeddings] slices dim 0, the tokens, "
+         "and keeps the padding"),
         ("reduced", [sum(local)] * tp, "summed the ranks' logits: they hold different vocabulary rows, so "
          "concatenate them (all-gather), do not add them"),
         ("dim 0", [torch.cat(local, 0)] * tp, "gathered along dim 0: the vocabulary is the last dim"),

@@ -98,6 +98,26 @@ def lm_head_spec():
                 returns="the (T, vocab_size) logits, every rank's columns gathered")
 
 
+def device_or_dtype_mistake(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """A sentence when ``got`` (a part's parameter or output) is not on the device, or in the dtype, the engine
+    runs in."""
+    if isinstance(got, torch.Tensor) and got.device != want.device:
+        return (f"{what} is on device {got.device}, but the engine runs this layer on {want.device} (its input's): "
+                "make new tensors with device=x.device, and keep results where they were computed")
+    if not isinstance(got, torch.Tensor) or got.dtype == want.dtype:
+        return None
+    return (f"{what} is {got.dtype}, but the engine runs this layer in {want.dtype} (the model's dtype: its "
+            f"input's and its weights'): make new tensors with dtype=x.dtype (or the default dtype, which the "
+            f"engine sets to the model's), or cast with .to(x.dtype)")
+
+
+def vocab_shards(w: torch.Tensor, tp: int) -> tuple[int, list[torch.Tensor]]:
+    """``w`` (V, E) padded with zero rows to a multiple of ``tp``: rows per rank, and each rank's (per_rank, E)."""
+    per_rank = -(-V // tp)
+    padded = torch.cat([w, w.new_zeros(per_rank * tp - V, E)])
+    return per_rank, list(padded.split(per_rank))
+
+
 # check_part's hints for errors raised in these parts: (part or None, words in the error, a tuple: all; the hint).
 # A part's own hint replaces the general one (None) with the same words.
 LAYER_HINTS = [

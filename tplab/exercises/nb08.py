@@ -3,8 +3,9 @@
 ``check_select_experts(fn)`` compares the learner's ``fn(router_logits, top_k, renormalize)`` -> ``(weights, ids)``
 with HF's own router (``Qwen3MoeTopKRouter``) on the hidden states that reach each layer's router of the shipped
 trained MoE model, with ``norm_topk_prob`` true and false, in fp32 and bf16; the usual mistakes are named: the
-weights not renormalised where the model says to (or renormalised where it says not to), the softmax taken over
-the k chosen logits, or in bf16, the weights not cast back to the logits' dtype.
+weights not renormalised where the model says to (or renormalised where it says not to, or by a sum over the
+tokens, not each token's own), the softmax taken over the k chosen logits, or in bf16, the weights not cast back to
+the logits' dtype.
 
 ``router_choices(hf, ids)`` returns HF's routing of a prompt in every MoE layer (the notebook's load plot and load
 imbalance), and ``rank_shares(choices, num_experts, ep_size)`` each rank's share of the pairs under expert
@@ -89,6 +90,15 @@ def _mistake(got_w, logits, ids, renormalize: bool) -> str:
     if renormalize and near(got_w, top):
         return ("the weights are not renormalised where the model says to (norm_topk_prob true): divide the k "
                 "weights by their sum, so that each token's add up to 1")
+    sums = got_w.float().sum(-1)
+    if renormalize and not torch.allclose(sums, torch.ones_like(sums), atol=1e-2):
+        slot = top.argsort(-1, descending=True).argsort(-1)              # each weight's place in topk's order
+        by_column = top.sort(-1, descending=True).values.sum(0)[slot]     # weights.sum(dim=0): over the tokens
+        over_tokens = any(near(got_w, top / s) for s in (top.sum(), by_column))
+        return (f"each token's k weights must sum to 1 (norm_topk_prob true), the first token's sum to "
+                f"{float(sums[0]):.3g}" + (": yours are divided by a sum over the tokens (weights.sum() or "
+                "weights.sum(dim=0)), not by each token's own" if over_tokens else "") +
+                ": divide by weights.sum(dim=-1, keepdim=True)")
     renormalised = top / top.sum(-1, keepdim=True)
     if not renormalize and torch.equal(got_w.float(), renormalised):               # as HF divides, to the bit
         return "the weights are renormalised where the model says not to (norm_topk_prob false): leave them as they are"
