@@ -76,8 +76,11 @@ def test_a_part_that_raises_in_a_rank_names_the_rank_and_line_and_the_next_call_
 
 
 def test_a_part_that_hangs_is_stopped_at_the_timeout():
+    """...and says which rank returned and where the other waits: the learner's line with the collective."""
     result = check_part("row_linear", HangsOnRank0, timeout=12)
     assert result.ok is False and "did not finish in time" in result.message, result.message
+    assert "rank(s) [1] had not ended, rank(s) [0] had returned; where each was: rank 1 at " in result.message
+    assert re.search(r"rank 1 at \S+.*:\d+ in forward", result.message), result.message     # the solution's line
 
 
 class CallsDistDirectly(Row):

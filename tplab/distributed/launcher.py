@@ -244,9 +244,7 @@ class RankGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 seen = stacks.where({r: ranks.procs[r].pid for r in pending}, dict(enumerate(ranks.stacks)))
-                raise TimeoutError(f"ranks {sorted(pending)} did not answer within {timeout:g} s; "
-                                   f"all {self.world_size} ranks were stopped{seen}. A call that was still working "
-                                   "(a long generate) needs a larger timeout= (LLM(..., timeout=...), launch's)")
+                raise stacks.RanksDidNotAnswer(sorted(pending), timeout, self.world_size, seen)
             # Sentinels too: a rank killed by a signal is noticed at once, not at the deadline.
             for ready in wait([ranks.conns[r] for r in pending] + [p.sentinel for p in ranks.procs], left):
                 rank = owner[ready]

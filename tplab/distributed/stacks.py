@@ -11,6 +11,17 @@ ASK = getattr(signal, "SIGUSR1", None)          # None on Windows: no stacks the
 _PLUMBING = ("site-packages", "/tplab/distributed/", "/multiprocessing/")
 
 
+class RanksDidNotAnswer(TimeoutError):
+    """A call that ranks ``pending`` did not answer within ``timeout`` seconds; ``where`` (from ``where``) says
+    where each one was when every rank was stopped."""
+
+    def __init__(self, pending: list[int], timeout: float, world_size: int, where: str):
+        super().__init__(f"ranks {pending} did not answer within {timeout:g} s; all {world_size} ranks were stopped"
+                         f"{where}. A call that was still working (a long generate) needs a larger timeout= "
+                         "(LLM(..., timeout=...), launch's)")
+        self.pending, self.where = pending, where
+
+
 def answer_when_asked(write_end) -> None:
     """In a rank: dump every thread's stack to ``write_end`` (a ``Connection``) on SIGUSR1."""
     if ASK is not None:

@@ -20,6 +20,7 @@ import traceback
 import cloudpickle
 
 from tplab.distributed.launcher import RankError
+from tplab.distributed.stacks import RanksDidNotAnswer
 from tplab.engine.parts import FIELDS
 from tplab.exercises import (NOT_DONE, ExerciseResult, attention_probe, block_manager_probe, float32_default,
                              is_stub_error, learner_line, solutions, sp_region_probe, watchdog)
@@ -101,7 +102,10 @@ def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
         return ExerciseResult(name, False, f"{where}, rank {error.rank} raised {last}{line}"
                                            f"{_hints(name, last + line)}")
     if isinstance(error, TimeoutError):
-        return ExerciseResult(name, False, f"{where}: the ranks did not finish in time and were all stopped. A "
+        stopped = isinstance(error, RanksDidNotAnswer) and group is not None
+        done = sorted(set(range(group.world_size)) - set(error.pending)) if stopped else []
+        stuck = f": rank(s) {error.pending} had not ended, rank(s) {done} had returned{error.where}" if done else ""
+        return ExerciseResult(name, False, f"{where}: the ranks did not finish in time and were all stopped{stuck}. A "
                               "collective that not every rank reaches waits forever (e.g. an all_reduce inside "
                               "`if tp_rank == 0:`, or a rank that returns before it)")
     line = learner_line(impl, "".join(traceback.format_exception(error)))
