@@ -183,10 +183,9 @@ def _resolved(cfg: EngineConfig) -> dict:
     dtype, device = resolve_dtype(cfg.dtype, hf), _device(cfg, backend)
     parts = _kernels_here(parts, device, dtype, hf)
     static, moe = resolve_static_decode(cfg, parts, device, hf), has_experts(hf)
+    exchange = moe and cfg.data_parallel_size > 1
     refuse_unused(bugs, cfg.parts, dict(sp_norm_region=cfg.sequence_parallel and cfg.tensor_parallel_size > 1,
-                                        static_decode=static, experts=moe,
-                                        moe_dispatch=moe and cfg.data_parallel_size > 1,
-                                        moe_combine=moe and cfg.data_parallel_size > 1))
+                                        static_decode=static, experts=moe, moe_dispatch=exchange, moe_combine=exchange))
     return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs, parts=parts, backend=backend,
                 device=device, static_decode=static)
 

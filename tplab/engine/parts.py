@@ -116,8 +116,8 @@ def resolve(bugs=(), parts=None) -> Parts:
         raise ValueError(f"parts has unknown field(s) {wrong}; the fields of tplab.Parts are {list(FIELDS)}")
     for field, replacement in mine.items():
         if CLASSES[field] and not _builds(replacement):
-            given = (f"the function {replacement.__qualname__}" if hasattr(replacement, "__qualname__")
-                     else f"an instance of {type(replacement).__name__}")
+            given = (f"the function {_describe(replacement)}" if hasattr(replacement, "__qualname__")
+                     else f"an instance of {_describe(replacement)}")
             raise ValueError(f"parts[{field!r}]: pass the class itself (as tplab's {getattr(Parts(), field).__name__}), "
                              f"not {given}: the engine builds one wherever the model needs it, on every rank")
     chosen: dict[str, tuple[str, object]] = {}      # field -> (who replaced it, replacement)
