@@ -118,8 +118,9 @@ def resolve(bugs=(), parts=None) -> Parts:
         if CLASSES[field] and not _builds(replacement):
             given = (f"the function {_describe(replacement)}" if hasattr(replacement, "__qualname__")
                      else f"an instance of {_describe(replacement)}")
-            raise ValueError(f"parts[{field!r}]: pass the class itself (as tplab's {getattr(Parts(), field).__name__}), "
-                             f"not {given}: the engine builds one wherever the model needs it, on every rank")
+            raise ValueError(f"parts[{field!r}]: pass the class itself (as tplab's "
+                             f"{getattr(Parts(), field).__name__}), not {given}: the engine builds one wherever the "
+                             "model needs it, on every rank")
     chosen: dict[str, tuple[str, object]] = {}      # field -> (who replaced it, replacement)
     for who, field, replacement in _swaps(names, catalogue, mine):
         if field in chosen and chosen[field][1] is replacement:
@@ -152,8 +153,9 @@ def refuse_unused(bugs, parts, used: dict[str, bool]) -> None:
     mine = parts.replaced() if isinstance(parts, Parts) else dict(parts or {})
     for who, field, _ in _swaps(names, known_bugs() if names else {}, mine):
         if field in USED_ONLY_WITH and not used[field]:
+            kind = "bug" if who.startswith("bug") else "part"
             raise ValueError(f"{who} replaces Parts.{field}, which this engine never uses: it runs only with "
-                             f"{USED_ONLY_WITH[field]}. Add that, or drop the {'bug' if who.startswith('bug') else 'part'}")
+                             f"{USED_ONLY_WITH[field]}. Add that, or drop the {kind}")
 
 
 def _hand_exchange(parts: Parts) -> Parts:
