@@ -65,6 +65,25 @@ def test_hanging_rank_times_out_naming_the_silent_ranks(no_new_children):
         assert time.monotonic() - start < 1.5 + 4  # + SIGTERM grace and joins
 
 
+def test_straggle_stops_ranks_left_behind_by_one_that_answered(no_new_children):
+    """A rank that has answered never joins the collective the other waits in: with ``straggle`` that is said
+    seconds after the first answer, not at the timeout; a rank merely a little late is waited for."""
+    def hang_on_rank_0(late_s):
+        if world_info()[0] == 0:
+            time.sleep(late_s)
+        return "done"
+
+    with RankGroup(2, timeout=60) as group:
+        assert group.run(hang_on_rank_0, (0.5,), straggle=5) == ["done", "done"]
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            group.run(hang_on_rank_0, (0.0,), straggle=0)
+        with pytest.raises(TimeoutError) as info:
+            group.run(hang_on_rank_0, (3600,), timeout=600, straggle=1)
+    assert "ranks [0] did not answer within 1 s of the first answer" in str(info.value)
+    assert info.value.stragglers().startswith("rank(s) [0] had not ended 1 s after, rank(s) [1] had returned; "
+                                              "where each was: rank 0 at "), info.value.stragglers()
+
+
 def test_ctrl_c_while_waiting_stops_the_ranks_and_reraises(no_new_children, sigint_raises):
     group = RankGroup(2, timeout=60)
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()

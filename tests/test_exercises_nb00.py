@@ -146,6 +146,21 @@ def test_sends_and_recvs_that_never_pair_up_time_out_with_a_hint():
     assert result.ok is False and "never comes" in result.message
 
 
+def test_a_rank_that_returns_early_is_named_with_where_the_others_wait():
+    """Rank 0 skips the ring; the others wait in a recv for it. Stopped soon after rank 0 returned, not at the
+    timeout (60 s here), with the line each waiting rank is at."""
+    def rank_0_leaves(x):
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            return x
+        incoming = torch.empty_like(x)
+        dist.recv(incoming, (dist.get_rank() - 1) % dist.get_world_size())
+        return x + incoming
+    result = nb00.check_ring_all_reduce(rank_0_leaves, world_sizes=WORLD3, timeout=60)
+    assert result.ok is False and "rank(s) [1, 2] had not ended 10 s after, rank(s) [0] had returned" in result.message
+    assert "in rank_0_leaves: `dist.recv(incoming, " in result.message and "never comes" in result.message, result
+
+
 def test_a_float64_result_names_the_dtype_it_should_keep():
     result = nb00.check_ring_all_reduce(lambda x: ring_all_reduce(x).double(), world_sizes=WORLD3)
     assert result.ok is False and "returned torch.float64, but x is torch.float32" in result.message, result.message

@@ -22,7 +22,6 @@ from tplab.distributed import rank_start, stacks
 from tplab.distributed.rank_process import rank_main
 
 _BACKENDS = ("gloo", "nccl")
-_KILL_GRACE_S = 2.0  # SIGTERM -> SIGKILL delay when stopping ranks
 
 
 def pick_backend(world_size: int, backend: str | None = None) -> str:
@@ -63,41 +62,6 @@ class RankError(RuntimeError):
         self.rank, self.remote_traceback = rank, remote_traceback
 
 
-class _Ranks:
-    """The processes, pipes and store of one RankGroup, apart from it so that a finalizer can stop them."""
-
-    def __init__(self):
-        self.procs, self.conns, self.stacks, self.store, self.stopped = [], [], [], None, False
-
-    def stop(self, graceful: bool = True):
-        if self.stopped:
-            return
-        self.stopped = True
-        if graceful:  # ask each rank to destroy its group and exit on its own
-            for conn in self.conns:
-                try:
-                    conn.send_bytes(pickle.dumps(("close",)))
-                except OSError:
-                    pass
-            self._join(10.0)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        self._join(_KILL_GRACE_S)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for conn in self.conns + self.stacks:
-            conn.close()
-        self.store = None  # shuts the TCPStore server down
-
-    def _join(self, seconds: float):
-        deadline = time.monotonic() + seconds
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-
-
 _live: "weakref.WeakSet[RankGroup]" = weakref.WeakSet()
 
 
@@ -108,7 +72,7 @@ def _close_all():
 
 
 def _death(rank: int, proc) -> RankError:
-    proc.join(_KILL_GRACE_S)  # its pipe may close a moment before the process is gone
+    proc.join(rank_start.KILL_GRACE_S)  # its pipe may close a moment before the process is gone
     code = proc.exitcode
     how = f"signal {-code}, {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
     return RankError(rank, f"rank {rank} died ({how})")
@@ -162,7 +126,7 @@ class RankGroup:
         if threads_per_rank is not None and (not isinstance(threads_per_rank, int) or threads_per_rank < 1):
             raise ValueError(f"threads_per_rank must be None or an int >= 1, got {threads_per_rank!r}")
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)  # no oversubscription
-        self._ranks = ranks = _Ranks()
+        self._ranks = ranks = rank_start.Ranks()
         self._finalizer = weakref.finalize(self, ranks.stop)
         _live.add(self)
         # Port 0: the OS picks a free port and the store holds it, so ranks cannot race for a port.
@@ -188,9 +152,11 @@ class RankGroup:
             self._abort()
             raise
 
-    def run(self, fn, args=(), kwargs=None, timeout: float | None = None) -> list:
-        """Call ``fn(*args, **kwargs)`` in every rank; return the per-rank results in rank order."""
-        return self._send("run", fn, args, kwargs, timeout)
+    def run(self, fn, args=(), kwargs=None, timeout: float | None = None, straggle: float | None = None) -> list:
+        """Call ``fn(*args, **kwargs)`` in every rank; return the per-rank results in rank order. ``straggle``: for
+        a call that takes the ranks about as long, the seconds the others may lag the first answer (or twice its
+        time, if more); a rank later than that waits in a collective a rank that answered never joins."""
+        return self._send("run", fn, args, kwargs, timeout, straggle)
 
     def create(self, factory, args=(), kwargs=None, timeout: float | None = None) -> None:
         """Make ``factory(*args, **kwargs)`` in every rank and keep it there for ``call``."""
@@ -201,11 +167,12 @@ class RankGroup:
         ``group.call(Worker.generate, (prompts, params))``); the per-rank results in rank order."""
         return self._send("call", method, args, kwargs, timeout)
 
-    def _send(self, kind: str, fn, args, kwargs, timeout: float | None) -> list:
+    def _send(self, kind: str, fn, args, kwargs, timeout: float | None, straggle: float | None = None) -> list:
         if self._ranks.stopped:
             raise RuntimeError("this RankGroup is closed (close() was called, or a rank failed or timed out); "
                                "create a new RankGroup")
         timeout = self.timeout if timeout is None else check_timeout(timeout)
+        straggle = None if straggle is None else check_timeout(straggle)
         check_call_args(args, kwargs)
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))  # a pickling error leaves us usable
         try:
@@ -214,17 +181,20 @@ class RankGroup:
                     conn.send_bytes(pickle.dumps((kind, payload)))
                 except OSError:
                     raise _death(rank, self._ranks.procs[rank]) from None
-            return self._collect(timeout)
+            return self._collect(timeout, straggle)
         except BaseException:  # a failure, a timeout or Ctrl-C: no rank may be left half-way through
             self._abort()
             raise
 
-    def _collect(self, timeout: float) -> list:
-        """Relay output and gather one reply per rank; raise on the first failure or at the deadline."""
+    def _collect(self, timeout: float, straggle: float | None = None) -> list:
+        """Relay output and gather one reply per rank; raise on the first failure or at the deadline (``run``'s
+        ``straggle`` brings it closer at the first answer)."""
         ranks, results, pending = self._ranks, [None] * self.world_size, set(range(self.world_size))
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, lag = start + timeout, None      # lag: the straggle allowed, once it set the deadline
 
         def handle(rank, msg):
+            nonlocal deadline, lag
             if msg[0] == "out":
                 stream = sys.stdout if msg[1] == "stdout" else sys.stderr
                 stream.write("".join(f"[rank {rank}] {line}" for line in msg[2].splitlines(keepends=True)))
@@ -232,6 +202,10 @@ class RankGroup:
             elif msg[0] == "ok":
                 results[rank] = cloudpickle.loads(msg[1])
                 pending.discard(rank)
+                took = time.monotonic() - start
+                if straggle is not None and lag is None and took + max(straggle, 2 * took) < deadline - start:
+                    lag = max(straggle, 2 * took)
+                    deadline = start + took + lag
             else:
                 dead = _dead_peer(ranks.procs, rank) if _lost_peer(msg[2]) else None
                 if dead is not None:  # the survivor's error (a reset connection) follows from that death
@@ -244,7 +218,7 @@ class RankGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 seen = stacks.where({r: ranks.procs[r].pid for r in pending}, dict(enumerate(ranks.stacks)))
-                raise stacks.RanksDidNotAnswer(sorted(pending), timeout, self.world_size, seen)
+                raise stacks.RanksDidNotAnswer(sorted(pending), timeout, self.world_size, seen, lag)
             # Sentinels too: a rank killed by a signal is noticed at once, not at the deadline.
             for ready in wait([ranks.conns[r] for r in pending] + [p.sentinel for p in ranks.procs], left):
                 rank = owner[ready]

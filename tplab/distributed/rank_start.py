@@ -1,5 +1,5 @@
 """How ``RankGroup`` starts a rank process: never as a plain fork of the caller, which may have touched
-CUDA or started OpenMP threads, and never re-running the caller's ``__main__``.
+CUDA or started OpenMP threads, and never re-running the caller's ``__main__``; and how ``Ranks`` stops them.
 
 On Linux, ranks come from multiprocessing's fork server: one clean process that has imported tplab and
 torch once and is forked for every rank, so no rank imports torch again as a spawned one does
@@ -13,11 +13,14 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import multiprocessing.spawn
 import os
+import pickle
 import signal
 import sys
 import threading
+import time
 
 _start_lock = threading.Lock()
+KILL_GRACE_S = 2.0                          # SIGTERM -> SIGKILL delay when stopping ranks
 START_METHODS = ("spawn", "forkserver")     # what TPLAB_START_METHOD may name
 
 
@@ -109,3 +112,38 @@ def ctrl_c_deferred():
         signal.signal(signal.SIGINT, previous)
         if arrived:
             signal.raise_signal(signal.SIGINT)      # now to the caller's own handler (KeyboardInterrupt)
+
+
+class Ranks:
+    """The processes, pipes and store of one RankGroup, apart from it so that a finalizer can stop them."""
+
+    def __init__(self):
+        self.procs, self.conns, self.stacks, self.store, self.stopped = [], [], [], None, False
+
+    def stop(self, graceful: bool = True):
+        if self.stopped:
+            return
+        self.stopped = True
+        if graceful:  # ask each rank to destroy its group and exit on its own
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(pickle.dumps(("close",)))
+                except OSError:
+                    pass
+            self._join(10.0)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        self._join(KILL_GRACE_S)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns + self.stacks:
+            conn.close()
+        self.store = None  # shuts the TCPStore server down
+
+    def _join(self, seconds: float):
+        deadline = time.monotonic() + seconds
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))

@@ -12,14 +12,26 @@ _PLUMBING = ("site-packages", "/tplab/distributed/", "/multiprocessing/")
 
 
 class RanksDidNotAnswer(TimeoutError):
-    """A call that ranks ``pending`` did not answer within ``timeout`` seconds; ``where`` (from ``where``) says
-    where each one was when every rank was stopped."""
+    """A call that ranks ``pending`` did not answer within ``timeout`` seconds, or ``lag`` seconds after the first
+    rank answered (``RankGroup.run``'s ``straggle``); ``where`` (from ``where``) says where each one was when every
+    rank was stopped."""
 
-    def __init__(self, pending: list[int], timeout: float, world_size: int, where: str):
-        super().__init__(f"ranks {pending} did not answer within {timeout:g} s; all {world_size} ranks were stopped"
-                         f"{where}. A call that was still working (a long generate) needs a larger timeout= "
-                         "(LLM(..., timeout=...), launch's)")
-        self.pending, self.where = pending, where
+    def __init__(self, pending: list[int], timeout: float, world_size: int, where: str, lag: float | None = None):
+        if lag is None:
+            super().__init__(f"ranks {pending} did not answer within {timeout:g} s; all {world_size} ranks were "
+                             f"stopped{where}. A call that was still working (a long generate) needs a larger "
+                             "timeout= (LLM(..., timeout=...), launch's)")
+        else:
+            super().__init__(f"ranks {pending} did not answer within {lag:.0f} s of the first answer; all "
+                             f"{world_size} ranks were stopped{where}")
+        self.pending, self.where, self.lag, self.world_size = pending, where, lag, world_size
+
+    def stragglers(self) -> str:
+        """"rank(s) [1] had not ended [10 s after], rank(s) [0] had returned; where each was: ...", or "" when no
+        rank had returned."""
+        done = sorted(set(range(self.world_size)) - set(self.pending))
+        after = "" if self.lag is None else f" {self.lag:.0f} s after"
+        return f"rank(s) {self.pending} had not ended{after}, rank(s) {done} had returned{self.where}" if done else ""
 
 
 def answer_when_asked(write_end) -> None:

@@ -17,6 +17,7 @@ import cloudpickle
 import torch
 
 from tplab.distributed.launcher import RankError, RankGroup
+from tplab.distributed.stacks import RanksDidNotAnswer
 from tplab.exercises import ExerciseResult, dist_watch, is_stub_error, not_a_tensor, run_checker, watchdog
 
 WORLD_SIZES = (3, 2)        # 3 first: with 2 ranks, "rank + step" and "rank - step" pick the same chunk
@@ -205,14 +206,17 @@ def _compare(fn, world_sizes=WORLD_SIZES, timeout=TIMEOUT_S):
         try:
             with RankGroup(world, backend="gloo", timeout=timeout) as group:
                 for case in _cases(world):           # one run each: a rank that dies on one case
-                    per_rank = group.run(_in_rank, (blob, case, watchdog.bound_for(timeout)))
+                    per_rank = group.run(_in_rank, (blob, case, watchdog.bound_for(timeout)),
+                                         straggle=watchdog.STRAGGLE_S)
                     wrong = _judge(world, case, per_rank)     # leaves the verdicts before it
                     if wrong:
                         return False, wrong
         except RankError as e:
             return _rank_error(fn, e, world, case)
-        except TimeoutError:
-            return False, f"world size {world}: no answer within {timeout:g} s, so a rank waits for a message {HINT_HANG}"
+        except TimeoutError as e:               # at the timeout, or soon after a rank returned (STRAGGLE_S)
+            stuck = e.stragglers() if isinstance(e, RanksDidNotAnswer) else ""
+            return False, (f"world size {world}: {stuck or f'no answer within {timeout:g} s'}, so a rank waits for "
+                           f"a message {HINT_HANG}")
     return True, (f"equal to dist.all_reduce on every rank at world sizes {', '.join(map(str, world_sizes))}, "
                   "for lengths divisible by the world size and not, and a random (3, 5) tensor, each rank sending "
                   "2 (world - 1) / world of x")

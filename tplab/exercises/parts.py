@@ -12,7 +12,7 @@
 A stub (its own ``raise NotImplementedError``) is "not attempted"; an exception comes back with the
 rank and the learner's line; a rank (or this process) still running the learner's code after
 ``watchdog.bound_for(timeout)`` is stopped there, and its function and line are named; ranks that
-wait forever in a collective are stopped at ``timeout``.
+wait forever in a collective are stopped at ``timeout``, or in the part alone ``STRAGGLE_S`` after a rank returned.
 """
 import re
 import traceback
@@ -28,7 +28,7 @@ from tplab.exercises.layer_diagnoses import DIAGNOSE
 from tplab.exercises.in_engine import (NEW_TOKENS, aborted_because, engine_acts, engine_config, first_diff, kept_ranks,
                                       reference, serve, tokens_differ, worst_share)
 from tplab.exercises.layer_probes import LAYER_HINTS, SPECS, NamedMistake, probe_in_rank, run_probe, spec_of
-from tplab.exercises.watchdog import DidNotReturn, call_bounded
+from tplab.exercises.watchdog import STRAGGLE_S, DidNotReturn, call_bounded
 from tplab.models.checkpoints import tiny_stories
 from tplab.models.registry import check_tp_size, load_model_config
 
@@ -102,12 +102,10 @@ def _exception_result(name, impl, error, where, group=None) -> ExerciseResult:
         return ExerciseResult(name, False, f"{where}, rank {error.rank} raised {last}{line}"
                                            f"{_hints(name, last + line)}")
     if isinstance(error, TimeoutError):
-        stopped = isinstance(error, RanksDidNotAnswer) and group is not None
-        done = sorted(set(range(group.world_size)) - set(error.pending)) if stopped else []
-        stuck = f": rank(s) {error.pending} had not ended, rank(s) {done} had returned{error.where}" if done else ""
-        return ExerciseResult(name, False, f"{where}: the ranks did not finish in time and were all stopped{stuck}. A "
-                              "collective that not every rank reaches waits forever (e.g. an all_reduce inside "
-                              "`if tp_rank == 0:`, or a rank that returns before it)")
+        stuck = error.stragglers() if isinstance(error, RanksDidNotAnswer) and group is not None else ""
+        return ExerciseResult(name, False, f"{where}: the ranks did not finish in time and were all stopped"
+                              + (f": {stuck}" if stuck else "") + ". A collective that not every rank reaches waits "
+                              "forever (e.g. an all_reduce inside `if tp_rank == 0:`, or a rank that returns before it)")
     line = learner_line(impl, "".join(traceback.format_exception(error)))
     return ExerciseResult(name, False, f"{where}: raised {type(error).__name__}: {error}{line}"
                                        f"{_hints(name, str(error) + line)}")
@@ -147,7 +145,7 @@ def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None
         if group is None:
             return None
         blob = cloudpickle.dumps(impl)                # unpickled in the ranks inside the probe's watch
-        results = group.run(call_bounded, (bound, RANK_PROBES[name].run, blob), timeout=timeout)
+        results = group.run(call_bounded, (bound, RANK_PROBES[name].run, blob), timeout=timeout, straggle=STRAGGLE_S)
         ok, why = RANK_PROBES[name].diagnose(results, tp)
         return None if ok else f"the part alone: {why}"
     if name not in SPECS:
@@ -156,7 +154,8 @@ def _alone(name, impl, tp: int, group=None, timeout: float = 60.0) -> str | None
         spec, where = spec_of(name, one_row), f"the layer alone at TP {tp}" + (ONE_ROW if one_row else "")
         try:
             results = [call_bounded(bound, run_probe, impl, spec, 0, 1, forward)] if group is None else \
-                group.run(call_bounded, (bound, probe_in_rank, impl, name, tp, forward, one_row), timeout=timeout)
+                group.run(call_bounded, (bound, probe_in_rank, impl, name, tp, forward, one_row), timeout=timeout,
+                          straggle=STRAGGLE_S)
         except (Exception, DidNotReturn, SystemExit) as e:
             if not one_row:
                 raise
