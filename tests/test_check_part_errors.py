@@ -86,6 +86,13 @@ def test_a_part_that_hangs_is_stopped_soon_after_the_other_rank_returned():
     assert re.search(r"rank 1 at \S+.*:\d+ in forward", result.message), result.message     # the solution's line
 
 
+def test_check_engine_stops_a_hanging_part_soon_after_the_other_rank_returned():
+    """check_engine runs no part alone: the engine's own prefill is where rank 0 skips the all-reduce."""
+    result = check_engine({"row_linear": HangsOnRank0})
+    assert result.ok is False and f"rank(s) [1] had not ended {STRAGGLE_S:.0f} s after, rank(s) [0] had returned" \
+        in result.message, result.message
+
+
 class CallsDistDirectly(Row):
     """torch.distributed.all_reduce with no guard: fine in ranks, an error at TP 1 in the notebook's process."""
     def forward(self, x):

@@ -20,7 +20,7 @@ from tplab.engine.worker import Worker
 from tplab.models.checkpoints import tiny_stories
 from tplab.exercises import FORGOT_RETURN
 from tplab.exercises.layer_probes import ForgotReturn
-from tplab.exercises.watchdog import bound_for, call_bounded
+from tplab.exercises.watchdog import STRAGGLE_S, bound_for, call_bounded
 from tplab import golden
 from tplab.golden import activation_names, all_tokens, hf_activations, hf_greedy_tokens
 from tplab.tolerance import RTOL
@@ -178,7 +178,7 @@ def serve(group, parts, tp, timeout) -> tuple[list, list[list[int]], dict]:
     prompts = ref["workload" if workload else "prompts"]
     params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
     tokens, stats = group.run(call_bounded, (bound_for(timeout), serve_here, engine_config(parts, tp, **settings),
-                                             prompts, params), timeout=timeout)[0]
+                                             prompts, params), timeout=timeout, straggle=STRAGGLE_S)[0]
     return tokens, ref["workload_tokens" if workload else "tokens"], stats
 
 

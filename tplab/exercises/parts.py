@@ -12,7 +12,7 @@
 A stub (its own ``raise NotImplementedError``) is "not attempted"; an exception comes back with the
 rank and the learner's line; a rank (or this process) still running the learner's code after
 ``watchdog.bound_for(timeout)`` is stopped there, and its function and line are named; ranks that
-wait forever in a collective are stopped at ``timeout``, or in the part alone ``STRAGGLE_S`` after a rank returned.
+wait forever in a collective are stopped at ``timeout``, or ``STRAGGLE_S`` after a rank returned.
 """
 import re
 import traceback
@@ -180,7 +180,7 @@ def judge_in_engine(name, impl, parts: dict, tp: int, timeout: float, unit: bool
         if why:
             return ExerciseResult(name, False, why)
         acts = group.run(call_bounded, (bound, engine_acts, engine_config(parts, tp), ref["prompts"][0]),
-                         timeout=timeout)
+                         timeout=timeout, straggle=STRAGGLE_S)
         tokens, want, stats = serve(group, parts, tp, timeout)
     except (Exception, DidNotReturn, SystemExit) as e:  # the learner's code raised, exited or looped; ranks hung
         return _exception_result(name, impl, e, where, group)
