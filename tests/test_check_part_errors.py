@@ -86,9 +86,25 @@ def test_a_part_that_hangs_is_stopped_soon_after_the_other_rank_returned():
     assert re.search(r"rank 1 at \S+.*:\d+ in forward", result.message), result.message     # the solution's line
 
 
-def test_check_engine_stops_a_hanging_part_soon_after_the_other_rank_returned():
-    """check_engine runs no part alone: the engine's own prefill is where rank 0 skips the all-reduce."""
+def test_check_engine_names_a_skipped_collective_by_what_each_rank_called_next():
+    """check_engine runs no part alone: in the engine's prefill rank 0 skips o_proj's all-reduce, and its next
+    collective (the LM head's all-gather) meets rank 1's all-reduce. Shared memory would have paired them."""
     result = check_engine({"row_linear": HangsOnRank0})
+    assert result.ok is False and "called different collectives at the same step: rank(s) [0] all_gather of a " \
+        "(9, 1024) torch.float32 tensor; rank(s) [1] all_reduce of a (9, 256) torch.float32 tensor" in result.message, \
+        result.message
+
+
+class GathersOnRank1Only(LMHead):
+    def forward(self, hidden):
+        if self.tp_rank == 0:
+            return (hidden @ self.weight.T).repeat(1, self.tp_size)[:, :self.num_embeddings]   # skips the gather
+        return super().forward(hidden)
+
+
+def test_check_engine_stops_a_rank_left_waiting_soon_after_the_other_returned():
+    """The LM head's all-gather is a prefill's last collective: rank 0 skips it and returns, rank 1 waits."""
+    result = check_engine({"lm_head": GathersOnRank1Only})
     assert result.ok is False and f"rank(s) [1] had not ended {STRAGGLE_S:.0f} s after, rank(s) [0] had returned" \
         in result.message, result.message
 

@@ -86,3 +86,32 @@ def test_shared_memory_collectives_match_gloo(tp):
         assert [tuple(s.shape) for s in sums] == [(2, 5)] * 3 and all(torch.equal(s, torch.full((2, 5), float(tp)))
                                                                       for s in sums), sums
         assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(tp)], -1))
+
+
+def _mismatched_call(case):
+    """Rank 1 calls something other than rank 0 at the same step, through shared memory; then both go on."""
+    import torch.distributed as dist
+    from tplab.distributed.parallel_state import _shm_for, all_gather, all_reduce
+    r = dist.get_rank()
+    x = {"shape": torch.ones(3 - r, 4), "dtype": torch.ones(3, 4, dtype=[torch.float32, torch.bfloat16][r]),
+         "op": torch.ones(3, 4)}[case]
+    assert _shm_for(x) is not None                                   # the path that could sum it silently
+    try:
+        all_gather(x, 2) if case == "op" and r == 1 else all_reduce(x, 2)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "op"])
+def test_shared_memory_refuses_ranks_that_call_different_collectives(case):
+    """gloo aborts the rank on such a mismatch; shared memory would sum (or gather) whatever overlaps. Every rank
+    says what each rank called."""
+    said = launch(_mismatched_call, 2, args=(case,), timeout=60)
+    theirs = {"shape": "all_reduce of a (2, 4) torch.float32", "dtype": "all_reduce of a (3, 4) torch.bfloat16",
+              "op": "all_gather of a (3, 4) torch.float32"}[case]
+    assert said[0] == said[1] == ("the ranks of this group called different collectives at the same step: rank(s) [0] "
+                                  f"all_reduce of a (3, 4) torch.float32 tensor; rank(s) [1] {theirs} tensor. Every "
+                                  "rank must call the same collectives, in the same order, with tensors of the same "
+                                  "shape and dtype: a rank that skips one (inside `if tp_rank == 0:`) meets the "
+                                  "others' next one"), said

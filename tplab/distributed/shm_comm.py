@@ -5,9 +5,11 @@ decode step needs two collectives per layer (the figures: docs/performance-journ
 their part into a shared buffer, wait until every rank has written, and read the
 others' parts: microseconds. vLLM's CPU backend does the same.
 
-Protocol, per collective: rank r copies its tensor into slot r of buffer ``seq % 2``,
-then publishes ``seq`` in its counter. Once every counter reaches ``seq``, each rank
-reads all slots in rank order (so every rank computes the same sum, bit for bit).
+Protocol, per collective: rank r copies its tensor into slot r of buffer ``seq % 2`` and what it called
+(the op, the dtype and the shape, as one number) beside it, then publishes ``seq`` in its counter. Once
+every counter reaches ``seq``, each rank checks that every rank called the same (gloo aborts on such a
+mismatch; the slots alone would sum whatever overlaps, silently) and reads all slots in rank order (so
+every rank computes the same sum, bit for bit).
 Two buffers suffice: a rank can only write buffer ``seq % 2`` again at ``seq + 2``,
 after every rank has published ``seq + 1``, i.e. finished reading ``seq``. An all-to-all
 (the MoE experts' exchange) is the same step with rows of any number: rank r writes all
@@ -20,13 +22,15 @@ import os
 import platform
 import time
 import uuid
+import zlib
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 SLOT_BYTES = 8 << 20          # per rank and buffer; larger tensors go through the process group
-_HEADER = 4096
+_PAGE = 4096                  # the header (each rank's counter, its call per buffer, its words) takes whole pages
+_WORDS = 256                  # bytes of each rank's words for a mismatch: "all_reduce of a (3, 4) torch.float32 tensor"
 
 
 class ShmComm:
@@ -41,7 +45,8 @@ class ShmComm:
         first = dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0
         name = [f"/dev/shm/tplab-r{first}-{uuid.uuid4().hex}" if self.rank == 0 else None]
         dist.broadcast_object_list(name, group_src=0, group=self.group)
-        size = _HEADER + 2 * self.world_size * SLOT_BYTES
+        self._header = _PAGE * -(-(4 * 8 + _WORDS) * self.world_size // _PAGE)
+        size = self._header + 2 * self.world_size * SLOT_BYTES
         fd = os.open(name[0], os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if self.rank == 0:
@@ -55,7 +60,16 @@ class ShmComm:
             os.unlink(name[0])                     # nothing is left in /dev/shm, even after a crash
         self._seqs = np.ndarray((self.world_size,), dtype=np.int64, buffer=self._mm)
         self._seqs[self.rank] = 0
-        self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_HEADER)
+        # what each rank called, per buffer (as the slots: a rank writes buffer seq % 2's again only at seq + 2)
+        calls = np.ndarray((2, self.world_size), dtype=np.int64, buffer=self._mm, offset=self._seqs.nbytes)
+        self._calls = [calls[0], calls[1]]         # the two rows, made once (a view costs a share of a collective)
+        # on a mismatch each rank writes what it called, then the step it did so at (read only on that path)
+        self._said_at = np.ndarray((self.world_size,), dtype=np.int64, buffer=self._mm, offset=3 * self._seqs.nbytes)
+        self._words = np.ndarray((self.world_size, _WORDS), dtype=np.uint8, buffer=self._mm,
+                                 offset=4 * self._seqs.nbytes)
+        self._call_ids: dict[tuple, int] = {}
+        self._calls_said: dict[int, str] = {}      # a call id -> what this rank called, in words
+        self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=self._header)
         self._seq = 0
         self._views: dict[tuple, list[torch.Tensor]] = {}
 
@@ -76,17 +90,33 @@ class ShmComm:
             self._views[key] = views
         return views
 
-    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _exchange(self, x: torch.Tensor, op: str) -> list[torch.Tensor]:
         """Publish ``x``; return every rank's tensor (views into the shared buffer), in rank order."""
         self._seq += 1
         slots = self._slots(self._seq % 2, x)
         slots[self.rank].copy_(x)
-        self._publish()
+        self._publish(self._call_id(op, x.dtype, x.shape))
         return slots
 
-    def _publish(self) -> None:
-        """Say this rank has written collective ``seq``'s part, and wait until every rank has."""
-        self._seqs[self.rank] = self._seq          # after the copy: x86 keeps stores in order
+    def _call_id(self, op: str, dtype: torch.dtype, shape) -> int:
+        """A number for "``op`` of a ``dtype`` tensor of ``shape``", the same in every rank process (a CRC, not
+        Python's hash, which differs between processes)."""
+        key = (op, dtype, shape)
+        call = self._call_ids.get(key)
+        if call is None:
+            if len(self._call_ids) >= 1024:
+                self._call_ids.clear()
+                self._calls_said.clear()
+            call = self._call_ids[key] = zlib.crc32(repr((op, str(dtype), tuple(shape))).encode())
+            self._calls_said[call] = f"{op} of a {tuple(shape)} {dtype} tensor"
+        return call
+
+    def _publish(self, call: int) -> None:
+        """Say this rank has written collective ``seq``'s part (``call``: ``_call_id`` of what it called), wait
+        until every rank has, and check that every rank called the same."""
+        calls = self._calls[self._seq % 2]
+        calls[self.rank] = call
+        self._seqs[self.rank] = self._seq          # after the copy and the call: x86 keeps stores in order
         deadline, spins = time.monotonic() + self.timeout, 0
         while self._seqs.min() < self._seq:
             spins += 1
@@ -95,9 +125,30 @@ class ShmComm:
                 if spins % 65536 == 0 and time.monotonic() > deadline:
                     raise TimeoutError(f"rank {self.rank}: peers did not reach collective {self._seq} "
                                        f"within {self.timeout:g} s (counters {self._seqs.tolist()})")
+        if calls.tolist().count(call) != self.world_size:
+            raise RuntimeError(self._mismatch(call))
+
+    def _mismatch(self, call: int, wait_s: float = 1.0) -> str:
+        """The ranks called different collectives at step ``seq`` (each of them finds so): write what this one
+        called, wait up to ``wait_s`` for the others' words, and say what each rank called."""
+        mine = self._calls_said[call].encode()[:_WORDS]
+        self._words[self.rank] = 0
+        self._words[self.rank, :len(mine)] = np.frombuffer(mine, dtype=np.uint8)
+        self._said_at[self.rank] = self._seq       # after the words: x86 keeps stores in order
+        deadline = time.monotonic() + wait_s
+        while self._said_at.min() < self._seq and time.monotonic() < deadline:
+            time.sleep(0.001)
+        said: dict[str, list[int]] = {}
+        for r in range(self.world_size):
+            words = bytes(self._words[r]).rstrip(b"\0").decode() if self._said_at[r] == self._seq else "?"
+            said.setdefault(words, []).append(r)
+        return ("the ranks of this group called different collectives at the same step: " +
+                "; ".join(f"rank(s) {ranks} {words}" for words, ranks in said.items()) +
+                ". Every rank must call the same collectives, in the same order, with tensors of the same shape "
+                "and dtype: a rank that skips one (inside `if tp_rank == 0:`) meets the others' next one")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(x.contiguous())
+        parts = self._exchange(x.contiguous(), "all_reduce")
         if len(parts) == 1:
             return x
         torch.add(parts[0], parts[1], out=x)        # x's own part is in the buffer: x can take the sum
@@ -127,18 +178,18 @@ class ShmComm:
             return self._data[start:start + nbytes].view(x.dtype).view(num_rows, *rows)
 
         slot(self.rank, x.shape[0]).copy_(x)
-        self._publish()
+        self._publish(self._call_id("all_to_all", x.dtype, rows))  # rows of any number, each of this shape
         offsets = [sum(sent[:self.rank]) for sent in traffic]       # where this rank's rows start in each slot
         return torch.cat([slot(src, offsets[src] + sent[self.rank])[offsets[src]:]
                           for src, sent in enumerate(traffic)])      # copied out before the next collective
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return torch.cat(self._exchange(x.contiguous()), dim=dim)
+        return torch.cat(self._exchange(x.contiguous(), "all_gather"), dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's chunk (``1 / world_size`` of ``dim``) of the sum of every rank's ``x``, summed in rank
         order as ``all_reduce`` sums (the same bits); it reads only that chunk of each rank's slot."""
-        parts = [p.chunk(self.world_size, dim)[self.rank] for p in self._exchange(x.contiguous())]
+        parts = [p.chunk(self.world_size, dim)[self.rank] for p in self._exchange(x.contiguous(), "reduce_scatter")]
         total = parts[0].clone()
         for part in parts[1:]:
             total += part
