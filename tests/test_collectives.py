@@ -115,3 +115,25 @@ def test_shared_memory_refuses_ranks_that_call_different_collectives(case):
                                   "rank must call the same collectives, in the same order, with tensors of the same "
                                   "shape and dtype: a rank that skips one (inside `if tp_rank == 0:`) meets the "
                                   "others' next one"), said
+
+
+def _traffic_of_its_own(_):
+    """Each rank passes the traffic as it counted it alone (a rank's own row only, zeros elsewhere)."""
+    import torch.distributed as dist
+    from tplab.distributed.parallel_state import all_to_all, init_model_parallel
+    init_model_parallel(1, 1, 2)                              # two DP ranks: the experts' group is both
+    r = dist.get_rank()
+    traffic = [[1, 1], [0, 0]] if r == 0 else [[0, 0], [2, 2]]
+    try:
+        all_to_all(torch.ones(sum(traffic[r]), 4), traffic)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_shared_memory_all_to_all_refuses_traffic_that_differs_between_ranks():
+    said = launch(_traffic_of_its_own, 2, args=(None,), timeout=60)
+    assert said[0] == said[1] and said[0].startswith(
+        "the ranks of this group called different collectives at the same step: rank(s) [0] all_to_all of a (4,) "
+        "torch.float32 tensor with traffic [[1, 1], [0, 0]]; rank(s) [1] all_to_all of a (4,) torch.float32 tensor "
+        "with traffic [[0, 0], [2, 2]]"), said

@@ -98,17 +98,18 @@ class ShmComm:
         self._publish(self._call_id(op, x.dtype, x.shape))
         return slots
 
-    def _call_id(self, op: str, dtype: torch.dtype, shape) -> int:
-        """A number for "``op`` of a ``dtype`` tensor of ``shape``", the same in every rank process (a CRC, not
-        Python's hash, which differs between processes)."""
-        key = (op, dtype, shape)
+    def _call_id(self, op: str, dtype: torch.dtype, shape, traffic: tuple | None = None) -> int:
+        """A number for "``op`` of a ``dtype`` tensor of ``shape``" (and an all-to-all's ``traffic``), the same in
+        every rank process (a CRC, not Python's hash, which differs between processes)."""
+        key = (op, dtype, shape, traffic)
         call = self._call_ids.get(key)
         if call is None:
             if len(self._call_ids) >= 1024:
                 self._call_ids.clear()
                 self._calls_said.clear()
-            call = self._call_ids[key] = zlib.crc32(repr((op, str(dtype), tuple(shape))).encode())
-            self._calls_said[call] = f"{op} of a {tuple(shape)} {dtype} tensor"
+            call = self._call_ids[key] = zlib.crc32(repr((op, str(dtype), tuple(shape), traffic)).encode())
+            with_traffic = "" if traffic is None else f" with traffic {[list(t) for t in traffic]}"
+            self._calls_said[call] = f"{op} of a {tuple(shape)} {dtype} tensor{with_traffic}"
         return call
 
     def _publish(self, call: int) -> None:
@@ -178,7 +179,8 @@ class ShmComm:
             return self._data[start:start + nbytes].view(x.dtype).view(num_rows, *rows)
 
         slot(self.rank, x.shape[0]).copy_(x)
-        self._publish(self._call_id("all_to_all", x.dtype, rows))  # rows of any number, each of this shape
+        # rows of any number, each of this shape; every rank must pass the same traffic
+        self._publish(self._call_id("all_to_all", x.dtype, rows, tuple(map(tuple, traffic))))
         offsets = [sum(sent[:self.rank]) for sent in traffic]       # where this rank's rows start in each slot
         return torch.cat([slot(src, offsets[src] + sent[self.rank])[offsets[src]:]
                           for src, sent in enumerate(traffic)])      # copied out before the next collective
