@@ -81,7 +81,7 @@ def test_a_part_that_hangs_is_stopped_soon_after_the_other_rank_returned():
     with the collective."""
     result = check_part("row_linear", HangsOnRank0)
     assert result.ok is False and "did not finish in time" in result.message, result.message
-    assert (f"rank(s) [1] had not ended {STRAGGLE_S:.0f} s after, rank(s) [0] had returned; where each was: rank 1 at "
+    assert (f"rank(s) [1] had not ended {STRAGGLE_S:.0f} s after rank(s) [0] had returned; where each was: rank 1 at "
             in result.message), result.message
     assert re.search(r"rank 1 at \S+.*:\d+ in forward", result.message), result.message     # the solution's line
 
@@ -105,7 +105,7 @@ class GathersOnRank1Only(LMHead):
 def test_check_engine_stops_a_rank_left_waiting_soon_after_the_other_returned():
     """The LM head's all-gather is a prefill's last collective: rank 0 skips it and returns, rank 1 waits."""
     result = check_engine({"lm_head": GathersOnRank1Only})
-    assert result.ok is False and f"rank(s) [1] had not ended {STRAGGLE_S:.0f} s after, rank(s) [0] had returned" \
+    assert result.ok is False and f"rank(s) [1] had not ended {STRAGGLE_S:.0f} s after rank(s) [0] had returned" \
         in result.message, result.message
 
 

@@ -80,7 +80,7 @@ def test_straggle_stops_ranks_left_behind_by_one_that_answered(no_new_children):
         with pytest.raises(TimeoutError) as info:
             group.run(hang_on_rank_0, (3600,), timeout=600, straggle=1)
     assert "ranks [0] did not answer within 1 s of the first answer" in str(info.value)
-    assert info.value.stragglers().startswith("rank(s) [0] had not ended 1 s after, rank(s) [1] had returned; "
+    assert info.value.stragglers().startswith("rank(s) [0] had not ended 1 s after rank(s) [1] had returned; "
                                               "where each was: rank 0 at "), info.value.stragglers()
 
 

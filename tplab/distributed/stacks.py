@@ -27,11 +27,13 @@ class RanksDidNotAnswer(TimeoutError):
         self.pending, self.where, self.lag, self.world_size = pending, where, lag, world_size
 
     def stragglers(self) -> str:
-        """"rank(s) [1] had not ended [10 s after], rank(s) [0] had returned; where each was: ...", or "" when no
-        rank had returned."""
+        """"rank(s) [1] had not ended, rank(s) [0] had returned; where each was: ..." (with a lag: "... had not
+        ended 10 s after rank(s) [0] had returned; ..."), or "" when no rank had returned."""
         done = sorted(set(range(self.world_size)) - set(self.pending))
-        after = "" if self.lag is None else f" {self.lag:.0f} s after"
-        return f"rank(s) {self.pending} had not ended{after}, rank(s) {done} had returned{self.where}" if done else ""
+        if not done:
+            return ""
+        after = ", " if self.lag is None else f" {self.lag:.0f} s after "
+        return f"rank(s) {self.pending} had not ended{after}rank(s) {done} had returned{self.where}"
 
 
 def answer_when_asked(write_end) -> None:

@@ -42,8 +42,8 @@ def _bound_from_environment(default: float = 30.0) -> float:
 
 
 BOUND_S = _bound_from_environment()
-# The ranks of one probe run the same code on the same sizes: a rank this long behind one that has answered waits in
-# a collective that rank never joins (RankGroup.run's straggle).
+# Ranks that do the same work (a part's probe, one engine's prefill): a rank this long behind one that has answered
+# waits in a collective that rank never joins (RankGroup.run's straggle).
 STRAGGLE_S = 10.0
 _RETRY_S = 1.0           # a bare `except:` in the loop swallowed it: raise it again, this often
 _NOT_YOURS = tuple({os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,      # tplab/
