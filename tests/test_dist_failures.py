@@ -75,7 +75,7 @@ def test_straggle_stops_ranks_left_behind_by_one_that_answered(no_new_children):
 
     with RankGroup(2, timeout=60) as group:
         assert group.run(hang_on_rank_0, (0.5,), straggle=5) == ["done", "done"]
-        with pytest.raises(ValueError, match="timeout must be a positive number"):
+        with pytest.raises(ValueError, match="straggle must be a positive number"):
             group.run(hang_on_rank_0, (0.0,), straggle=0)
         with pytest.raises(TimeoutError) as info:
             group.run(hang_on_rank_0, (3600,), timeout=600, straggle=1)

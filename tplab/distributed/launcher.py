@@ -95,10 +95,10 @@ def _dead_peer(procs, rank: int, grace: float = 0.5) -> int | None:
 MAX_TIMEOUT_S = 1e7              # 116 days: a wait of more overflows the clocks that time it
 
 
-def check_timeout(timeout) -> float:
+def check_timeout(timeout, name: str = "timeout") -> float:
     """``timeout`` as float seconds, when it is a number in (0, ``MAX_TIMEOUT_S``]; else a ValueError."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
-        raise ValueError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:g}, got {timeout!r}")
+        raise ValueError(f"{name} must be a positive number of seconds, at most {MAX_TIMEOUT_S:g}, got {timeout!r}")
     return float(timeout)
 
 
@@ -172,7 +172,7 @@ class RankGroup:
             raise RuntimeError("this RankGroup is closed (close() was called, or a rank failed or timed out); "
                                "create a new RankGroup")
         timeout = self.timeout if timeout is None else check_timeout(timeout)
-        straggle = None if straggle is None else check_timeout(straggle)
+        straggle = None if straggle is None else check_timeout(straggle, "straggle")
         check_call_args(args, kwargs)
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))  # a pickling error leaves us usable
         try:
@@ -203,9 +203,9 @@ class RankGroup:
                 results[rank] = cloudpickle.loads(msg[1])
                 pending.discard(rank)
                 took = time.monotonic() - start
-                if straggle is not None and lag is None and took + max(straggle, 2 * took) < deadline - start:
-                    lag = max(straggle, 2 * took)
-                    deadline = start + took + lag
+                allowed = None if straggle is None or lag is not None else max(straggle, 2 * took)
+                if allowed is not None and start + took + allowed < deadline:     # the first answer: the others soon
+                    deadline, lag = start + took + allowed, allowed
             else:
                 dead = _dead_peer(ranks.procs, rank) if _lost_peer(msg[2]) else None
                 if dead is not None:  # the survivor's error (a reset connection) follows from that death
