@@ -26,14 +26,22 @@ print(" ".join(m for m in ["torch", "transformers", "safetensors", "cloudpickle"
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-need_python() {
-  python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || {
-    echo "workbook: Python 3.10 or newer is needed (3.11 tested); found: $(python3 -V 2>&1)" >&2; exit 1; }
+base_python() {   # the Python .venv is made from: python3, or where that is older than 3.10, python3.13 ... 3.10
+  local py
+  for py in python3 python3.13 python3.12 python3.11 python3.10; do
+    "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null && { echo "$py"; return; }
+  done
+  echo "workbook: Python 3.10 or newer is needed (3.11 tested); found: $(python3 -V 2>&1), and no python3.10 to" \
+       "python3.13 on PATH" >&2
+  return 1
 }
 
 setup() {   # $@: modules the command needs, checked in an environment of your own (TPLAB_PYTHON)
   if [ -n "${TPLAB_PYTHON:-}" ]; then own_python "$@"; return; fi
-  [ -x "$VENV/bin/python" ] || { need_python; python3 -m venv "$VENV"; }
+  if [ ! -x "$VENV/bin/python" ]; then
+    local base; base=$(base_python) || exit 1
+    "$base" -m venv "$VENV"
+  fi
   local want stamp="$VENV/.tplab-installed"
   want=$(cat requirements.txt pyproject.toml | sha1sum)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -96,7 +104,7 @@ case "$cmd" in
   test-browser)
           setup pytest jupyterlab; browser_deps
           exec "$PY" -m pytest -p no:cacheprovider --timeout 600 -v tests/browser/lab_in_chromium.py "$@" ;;
-  doctor) need_python; setup; exec "$PY" scripts/doctor.py "$@" ;;
+  doctor) setup; exec "$PY" scripts/doctor.py "$@" ;;      # doctor checks .venv's Python (or TPLAB_PYTHON's)
   python) setup; exec "$PY" "$@" ;;
   *)      sed -n '2,8p' "$0"; exit 2 ;;
 esac
