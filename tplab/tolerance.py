@@ -5,14 +5,15 @@ sums added across ranks at TP > 1). Each order is exact to the dtype's ``eps`` *
 numbers summed*, and the differences grow a little with every layer. So the bound is relative: an
 activation may differ from HF's by at most ``RTOL[dtype] * max|HF's activation|``; an absolute bound is too
 loose for the first layers' small activations, too tight for a deep model's logits, and moves a check from
-pass to fail on another CPU. fp32: 1024 eps, several times the worst a correct engine reaches, and the
-smallest real bug is a thousand times over it (``bench/tolerance.py`` measures both; docs/numerics.md). bf16
-(tplab's bf16 against HF's): 1 bf16 eps, since bf16 rounds every stored activation, not only the sums.
+pass to fail on another CPU. fp32: 1024 eps, several times the worst a correct engine reaches, and a bug that
+changes a prefill's numbers is a thousand times over it (``bench/tolerance.py`` measures both; docs/numerics.md).
+bf16 (tplab's bf16 against HF's): 1 bf16 eps, for log-probabilities (``logprob_bound``) only: bf16 rounds every
+stored activation, not only the sums, so a correct TP 2 engine's activations are a couple of bf16 steps off.
 """
 import torch
 
 EPS = {torch.float32: torch.finfo(torch.float32).eps, torch.bfloat16: torch.finfo(torch.bfloat16).eps}
-RTOL = {torch.float32: 1024 * EPS[torch.float32],       # 1.2e-4 of the activation's largest value
+RTOL = {torch.float32: 1024 * EPS[torch.float32],       # 1.2e-4 of the activation's largest magnitude
         torch.bfloat16: EPS[torch.bfloat16]}             # 7.8e-3
 # The share of greedy tokens that must equal HF's. fp32: all. bf16: 90%, since two bf16 engines round in
 # other places and a near-tie between two tokens can go either way (then the continuations differ); on a
