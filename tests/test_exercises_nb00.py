@@ -5,6 +5,7 @@ from torch.distributed import all_reduce
 
 from tplab.exercises import nb00
 from tplab.exercises.solutions import define
+from tplab.exercises.watchdog import STRAGGLE_S
 
 ring_all_reduce = define("ring_all_reduce")["ring_all_reduce"]      # the reference solution
 
@@ -157,7 +158,8 @@ def test_a_rank_that_returns_early_is_named_with_where_the_others_wait():
         dist.recv(incoming, (dist.get_rank() - 1) % dist.get_world_size())
         return x + incoming
     result = nb00.check_ring_all_reduce(rank_0_leaves, world_sizes=WORLD3, timeout=60)
-    assert result.ok is False and "rank(s) [1, 2] had not ended 10 s after rank(s) [0] had returned" in result.message
+    assert result.ok is False and (f"rank(s) [1, 2] had not ended {STRAGGLE_S:.0f} s after rank(s) [0] had returned"
+                                   in result.message)
     assert "in rank_0_leaves: `dist.recv(incoming, " in result.message and "never comes" in result.message, result
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 SLOT_BYTES = 8 << 20          # per rank and buffer; larger tensors go through the process group
-_PAGE = 4096                  # the header (each rank's counter, its call per buffer, its words) takes whole pages
+_PAGE = 4096                  # the header takes whole pages
 _WORDS = 256                  # bytes of each rank's words for a mismatch: "all_reduce of a (3, 4) torch.float32 tensor"
 
 
@@ -45,6 +45,8 @@ class ShmComm:
         first = dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0
         name = [f"/dev/shm/tplab-r{first}-{uuid.uuid4().hex}" if self.rank == 0 else None]
         dist.broadcast_object_list(name, group_src=0, group=self.group)
+        # the header, per rank: its counter, its call in each of the two buffers, the step it said its words at
+        # (four int64s), then its words
         self._header = _PAGE * -(-(4 * 8 + _WORDS) * self.world_size // _PAGE)
         size = self._header + 2 * self.world_size * SLOT_BYTES
         fd = os.open(name[0], os.O_RDWR | os.O_CREAT, 0o600)
