@@ -98,7 +98,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, spec, kv_blocks_per_batch(cfg, spec, self.device), self.device,
                                   cfg.parts.positions, stage.kv_cache_layers, num_virtual_engines=pp,
                                   make_static_decode=static_decode_maker(cfg, self.device), attend=cfg.parts.attend)
-        # one scheduler per batch in flight (vLLM's virtual engines), each with its own share of the blocks
+        # one scheduler per batch in flight (vLLM V0's virtual engines), each with its own share of the blocks
         self.schedulers = [self._scheduler() for _ in range(pp)]
         self.scheduler = self.schedulers[0]                                # the only one without PP
         # an MoE model's DP ranks step together: one with nothing to run joins the experts' exchanges

@@ -1,13 +1,13 @@
 """A step under pipeline parallelism (``pipeline_parallel_size`` p > 1): p batches in flight.
 
 A sequence's next step needs the token its last step sampled, which leaves the last stage p ticks after the
-first stage started. So p independent batches (vLLM's virtual engines: p schedulers, each with its own
-requests and its own share of the KV blocks) keep every stage busy: at tick k stage s runs virtual engine
-(k - s) mod p's batch. Every rank runs all p schedulers alike (SPMD). One tick is one ``LLMEngine.step``:
-engine k mod p schedules; stage s receives the previous stage's ``(hidden, residual)``, runs its layers and
-sends its pair on (or samples, on the last stage); the last stage's tokens are broadcast and every rank
-postprocesses that batch. A share of blocks per engine, not one pool: a prefix-cache hit must only find
-blocks whose chunk its own scheduler has already scheduled.
+first stage started. So p independent batches (vLLM V0's virtual engines: p schedulers, each with its own
+requests and its own share of the KV blocks; V1 queues p batches under one scheduler) keep every stage busy:
+at tick k stage s runs virtual engine (k - s) mod p's batch. Every rank runs all p schedulers alike (SPMD).
+One tick is one ``LLMEngine.step``: engine k mod p schedules; stage s receives the previous stage's
+``(hidden, residual)``, runs its layers and sends its pair on (or samples, on the last stage); the last stage's
+tokens are broadcast and every rank postprocesses that batch. A share of blocks per engine, not one pool: a
+prefix-cache hit must only find blocks whose chunk its own scheduler has already scheduled.
 """
 import time
 from dataclasses import dataclass
