@@ -130,6 +130,13 @@ def test_launch_refuses_args_that_are_no_tuple_before_any_rank_starts(monkeypatc
         launch(print, world_size=2, args=args)
 
 
+def test_launch_refuses_a_function_that_is_no_callable_before_any_rank_starts(monkeypatch):
+    monkeypatch.setattr(launcher, "RankGroup", _not_reached)
+    with pytest.raises(ValueError, match=r"fn must be a function \(or another callable\) to run in every rank, "
+                                         r"got int 42"):
+        launch(42, world_size=2)
+
+
 def test_a_timeout_says_a_long_call_needs_a_larger_timeout():
     with RankGroup(1, timeout=60) as group:
         start = time.monotonic()

@@ -62,6 +62,8 @@ def test_a_file_of_the_checkpoint_is_refused_with_its_folder(checkpoint):
     ([[True, 2]], SamplingParams(), r"got bool True"),
     ([[1, 2]], 32, r"sampling_params must be a SamplingParams or a list of them, one per prompt; got int 32"),
     ([[1], [2]], [SamplingParams(), None], r"sampling_params must be a SamplingParams or a list of them"),
+    (123, SamplingParams(), r"prompts must be a non-empty list of strings or of lists of token ids, got int 123"),
+    ([], SamplingParams(), r"prompts must be a non-empty list .*, got list \[\]"),
 ])
 def test_bad_prompts_are_refused(llm, prompts, params, msg):
     with pytest.raises(ValueError, match=msg):

@@ -1,5 +1,6 @@
 """The engine's step has a name: ``LLMEngine.step`` is the one place where a batch is scheduled, run and
-postprocessed, with or without pipeline parallelism; and it serves requests added one at a time."""
+postprocessed (under pipeline parallelism, in the tick it hands over to, ``_pipeline_tick``); and it serves
+requests added one at a time."""
 import ast
 import pathlib
 
@@ -31,11 +32,16 @@ def callers(source: str, method: str) -> list[str]:
     return found
 
 
+def calls_of(method: str) -> set[str]:
+    """``file:Class.function`` of every call to ``<anything>.method(...)`` in tplab."""
+    return {f"{p.relative_to(ENGINE.parent)}:{c}" for p in ENGINE.rglob("*.py") for c in callers(p.read_text(), method)}
+
+
 @pytest.mark.parametrize("method", STEP_CALLS)
 def test_only_the_step_schedules_and_postprocesses(method):
-    where = {f"{p.relative_to(ENGINE.parent)}:{c}" for p in ENGINE.rglob("*.py")
-             for c in callers(p.read_text(), method)}
-    assert where == {"tplab/engine/llm_engine.py:LLMEngine.step"}, where
+    step, tick = "tplab/engine/llm_engine.py:LLMEngine.step", "tplab/engine/llm_engine.py:LLMEngine._pipeline_tick"
+    assert calls_of(method) == {step, tick}, calls_of(method)
+    assert calls_of("_pipeline_tick") == {step}                     # the tick is the step's own, under PP
 
 
 def test_the_check_sees_a_second_loop():

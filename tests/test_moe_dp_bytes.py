@@ -7,7 +7,7 @@ import torch
 from tplab import models
 from tplab.distributed.launcher import launch
 from tplab.engine.config import engine_config
-from tplab.engine.layout_bytes import count_layout_bytes, expected_bytes
+from tplab.exercises.layout_bytes import count_layout_bytes, expected_bytes
 
 # rows rank i sends rank j: rank 1 sends nothing, rank 2 keeps two rows for itself
 TRAFFIC = [[2, 0, 1], [0, 0, 0], [3, 1, 2]]

@@ -70,6 +70,8 @@ def test_a_class_part_given_as_an_instance_or_a_function_is_refused_before_anyth
     ({"sequence_parallel": True}, "sp_norm_twice", "sequence_parallel=True at tensor_parallel_size > 1"),
     ({}, "graph_stale_inputs", r"decode steps at fixed shapes \(static_decode=True"),
     ({}, "moe_global_ids", "a mixture-of-experts checkpoint"),
+    ({}, "pp_residual_not_sent", r"pipeline_parallel_size > 1 \(one stage holds every layer"),
+    ({"tensor_parallel_size": 2}, "pp_kv_every_layer", r"pipeline_parallel_size > 1"),
 ])
 def test_a_bug_this_engine_never_uses_is_refused_not_shown_harmless(checkpoint, settings, bug, needs):
     """Without its setting the bug's part is never built, and HF's tokens would call the pitfall harmless."""

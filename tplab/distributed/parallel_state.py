@@ -1,14 +1,15 @@
 """Tensor-parallel bookkeeping: who am I, how many of us, and the collectives TP needs (all-reduce,
 all-gather; reduce-scatter for sequence parallelism), send/recv between pipeline stages, and under data
-parallelism the experts' all-to-all over every rank (``all_to_all``, ``ep_all_gather``, ``dp_any``).
+parallelism the experts' all-to-all over the EP group (``all_to_all``, ``ep_all_gather``, ``dp_any``; every
+rank at PP 1, under PP this stage's ranks of every DP rank).
 
 Layers take ``tp_rank``/``tp_size`` explicitly so that one process can build every rank's shard (tests and
 notebooks do); left as ``None`` they come from this stage's TP group, as inside a rank started by
-``tplab.launch`` or ``torchrun``. How collectives travel (shared memory between CPU ranks of one host, else
-the process group) is set up once per group by ``init_tp_comm()`` or ``init_model_parallel(t, p, d)``, and a
-tensor too big for a shared-memory slot takes the process group
-(``tplab.distributed.layout``, which defines the groups and the ``*_rank_and_size`` readers; they are
-imported here so that a layer takes everything distributed from this one module, as vLLM's layers do).
+``tplab.launch`` or ``torchrun`` (``tplab.distributed.layout`` defines the groups and the ``*_rank_and_size``
+readers; they are imported here so that a layer takes everything distributed from this one module, as vLLM's
+layers do). How collectives travel (shared memory between CPU ranks of one host, else the process group) is
+set up once per group by ``init_tp_comm()`` or ``init_model_parallel(t, p, d)``, and a tensor too big for a
+shared-memory slot takes the process group.
 ``count_collectives()`` records the collectives a block of code runs (notebook 00 counts a decode step's).
 """
 import contextlib
@@ -248,8 +249,8 @@ def _all_to_all(x: torch.Tensor, comm: ShmComm | None, group, traffic: list[list
 
 
 def dp_any(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank, under data parallelism (``flag`` itself without): one all-reduce of one
-    number over every rank, which the DP ranks run once a step to agree whether any of them has work."""
+    """Whether ``flag`` holds on any rank of the EP group, under data parallelism (``flag`` itself without): one
+    all-reduce of one number, which the DP ranks run once a step to agree whether any of them has work."""
     layout = current_layout()
     if layout is None or layout.dp_size == 1:
         return flag

@@ -1,9 +1,9 @@
 """All-reduce, all-gather, reduce-scatter and all-to-all through shared memory, for CPU ranks on one machine.
 
 gloo sends even a (1, hidden) tensor through TCP and the kernel's network stack, and a TP
-decode step needs two collectives per layer (the figures: docs/performance-journal.md). Ranks on one host can instead write
-their part into a shared buffer, wait until every rank has written, and read the
-others' parts: microseconds. vLLM's CPU backend does the same.
+decode step needs two collectives per layer. Ranks on one host can instead write their part into a shared
+buffer, wait until every rank has written, and read the others' parts, with no network stack in the way
+(measured: docs/performance-journal.md). vLLM's CPU backend does the same.
 
 Protocol, per collective: rank r copies its tensor into slot r of buffer ``seq % 2`` and what it called
 (the op, the dtype and the shape, as one number) beside it, then publishes ``seq`` in its counter. Once

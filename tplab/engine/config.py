@@ -1,9 +1,7 @@
 """Checkpoint and engine settings, resolved once into a frozen ``EngineConfig`` and validated up front,
 so that bad input fails with a message that says what to change, before any rank starts."""
-import functools
 import os
-import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,11 +10,9 @@ import torch
 import torch.distributed as dist
 
 from tplab.distributed.launcher import check_timeout, pick_backend
-from tplab.engine.parts import Parts, bug_names, refuse_unused, resolve
-from tplab.kernels.gemm import Gemm
+from tplab.engine.parts import Parts, bug_names, for_device, refuse_unused, resolve
 from tplab.layers.attention import Attention
 from tplab.layers.linear import returns_partial_sums
-from tplab.layers.moe import FusedMoE
 from tplab.models.qwen2 import head_dim_of
 from tplab.models.registry import check_dp_size, check_tp_size, has_experts, load_model_config
 
@@ -117,7 +113,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes per rank for the KV cache; None: kv_cache.kv_cache_budget
     max_num_seqs: int = 16             # sequences in flight per step
     max_num_batched_tokens: int | None = None  # tokens per step (a longer prompt is prefilled in chunks);
-                                        # None: default_batched_tokens(device, hf_config)
+                                        # None -> default_batched_tokens(device, hf_config)
     enable_prefix_caching: bool = False
     check_finite: bool = False         # raise at the first sublayer whose output is NaN/inf
     sequence_parallel: bool = False    # TP > 1: reduce-scatter + all-gather over tokens instead of all-reduce
@@ -125,7 +121,7 @@ class EngineConfig:
     # decode steps at fixed shapes (engine.static_decode), replayed as CUDA graphs on a GPU
     enforce_eager: bool = False        # True: no CUDA graphs (vLLM's name)
     static_decode: bool | None = None  # pad decode steps to a bucket; None -> True where CUDA graphs run
-    # CPU speed settings; the environment gives their defaults (TPLAB_ONEDNN=0: plain torch.matmul)
+    # CPU speed settings; the environment gives their defaults (TPLAB_ONEDNN=0: plain F.linear)
     onednn: bool = field(default_factory=lambda: env_flag("TPLAB_ONEDNN"))      # linear through oneDNN
     pack_weights: bool = field(default_factory=lambda: env_flag("TPLAB_PACK_WEIGHTS"))  # packed for it
     few_rows_mkl: bool = field(default_factory=lambda: env_flag("TPLAB_FEW_ROWS_MKL"))  # kernels.gemm.FEW_ROWS
@@ -156,6 +152,26 @@ def _resolved(cfg: EngineConfig) -> dict:
     """The values ``cfg``'s raw settings resolve to, checked."""
     model = str(resolve_model(cfg.model))
     hf = cfg.hf_config or load_model_config(model)
+    _check_settings(cfg, hf)
+    bugs = bug_names(cfg.bugs)
+    parts = resolve(bugs, cfg.parts)
+    check_sequence_parallel(cfg.sequence_parallel, cfg.tensor_parallel_size, parts, cfg.data_parallel_size)
+    backend = dist.get_backend() if dist.is_initialized() else pick_backend(cfg.world_size, cfg.backend)
+    dtype, device = resolve_dtype(cfg.dtype, hf), _device(cfg, backend)
+    parts = for_device(parts, device, dtype, head_dim_of(hf))
+    static, moe = resolve_static_decode(cfg, parts, device, hf), has_experts(hf)
+    exchange = moe and cfg.data_parallel_size > 1
+    refuse_unused(bugs, cfg.parts, dict(sp_norm_region=cfg.sequence_parallel and cfg.tensor_parallel_size > 1,
+                                        pipeline_stage=cfg.pipeline_parallel_size > 1, static_decode=static,
+                                        experts=moe, moe_dispatch=exchange, moe_combine=exchange))
+    budget = cfg.max_num_batched_tokens or default_batched_tokens(device, hf)
+    return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs, parts=parts, backend=backend,
+                device=device, static_decode=static, max_num_batched_tokens=budget)
+
+
+def _check_settings(cfg: EngineConfig, hf) -> None:
+    """Refuse the plain settings that are wrong on their own or for the checkpoint ``hf``: flags, sizes, seed,
+    timeout."""
     for name in ("enable_expert_parallel", "enable_prefix_caching", "check_finite", "compile", "enforce_eager",
                  "onednn", "pack_weights", "few_rows_mkl", "malloc_tune"):
         if not isinstance(getattr(cfg, name), bool):     # "False" would be true
@@ -176,18 +192,6 @@ def _resolved(cfg: EngineConfig) -> dict:
     if cfg.num_kv_blocks is not None and cfg.num_kv_blocks < pp:
         raise ValueError(f"num_kv_blocks={cfg.num_kv_blocks} is shared by the {pp} batches in flight under "
                          f"pipeline_parallel_size={pp}: give at least {pp}")
-    bugs = bug_names(cfg.bugs)
-    parts = resolve(bugs, cfg.parts)
-    check_sequence_parallel(cfg.sequence_parallel, cfg.tensor_parallel_size, parts, cfg.data_parallel_size)
-    backend = dist.get_backend() if dist.is_initialized() else pick_backend(cfg.world_size, cfg.backend)
-    dtype, device = resolve_dtype(cfg.dtype, hf), _device(cfg, backend)
-    parts = _kernels_here(parts, device, dtype, hf)
-    static, moe = resolve_static_decode(cfg, parts, device, hf), has_experts(hf)
-    exchange = moe and cfg.data_parallel_size > 1
-    refuse_unused(bugs, cfg.parts, dict(sp_norm_region=cfg.sequence_parallel and cfg.tensor_parallel_size > 1,
-                                        static_decode=static, experts=moe, moe_dispatch=exchange, moe_combine=exchange))
-    return dict(model=model, dtype=dtype, hf_config=plain_config(hf), bugs=bugs, parts=parts, backend=backend,
-                device=device, static_decode=static)
 
 
 def resolve_static_decode(cfg: EngineConfig, parts: Parts, device: str, hf) -> bool:
@@ -221,28 +225,6 @@ def attends_padded(parts: Parts) -> bool:
 
 def _name(part) -> str:
     return getattr(part, "__qualname__", None) or repr(part)    # a class or function by name, else its repr
-
-
-def _kernels_here(parts: Parts, device, dtype, hf) -> Parts:
-    """``parts``, with tplab's own ``Attention`` / ``Gemm`` / ``FusedMoE`` in place of a part that says it cannot
-    run here (``cannot_run``; one line says why): decided once, so that every rank builds the same."""
-    device = torch.device(device)
-    asks = {"attention": (Attention, lambda part: part.cannot_run(device, dtype, head_dim_of(hf))),
-            "gemm": (Gemm, lambda part: part.cannot_run(device, dtype)),
-            "experts": (FusedMoE, lambda part: part.cannot_run(device, dtype))}
-    own = {}
-    for name, (base, cannot_run) in asks.items():
-        part = getattr(parts, name)
-        why = cannot_run(part) if isinstance(part, type) and issubclass(part, base) else None
-        if why is not None:
-            _say_once(f"tplab: {part.__name__} runs as tplab's {base.__name__} here: {why}")
-            own[name] = base
-    return replace(parts, **own) if own else parts
-
-
-@functools.cache
-def _say_once(line: str) -> None:
-    print(line, file=sys.stderr)
 
 
 def check_sequence_parallel(sequence_parallel, tp_size: int, parts: Parts, dp_size: int = 1) -> None:

@@ -239,7 +239,8 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or of lists of token ids")
+            raise ValueError(f"prompts must be a non-empty list of strings or of lists of token ids, got "
+                             f"{type(prompts).__name__} {prompts!r:.60}")
         texts, token_lists = [], []
         for i, p in enumerate(prompts):
             p = p.tolist() if hasattr(p, "tolist") else p

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tplab.distributed.parallel_state import dp_any, init_model_parallel, pp_rank_and_size, tp_rank_and_size
 from tplab.engine.checks import install_finite_check
-from tplab.engine.config import EngineConfig, default_batched_tokens
+from tplab.engine.config import EngineConfig
 from tplab.engine.kv_cache import kv_blocks_per_batch, kv_cache_spec, static_max_blocks
 from tplab.engine.malloc import keep_freed_memory
 from tplab.engine.model_runner import ModelRunner
@@ -112,9 +112,8 @@ class LLMEngine:
     def _scheduler(self) -> Scheduler:
         """A scheduler with its own block manager over ``runner.num_blocks`` blocks."""
         cfg = self.cfg
-        budget = cfg.max_num_batched_tokens or default_batched_tokens(self.device, cfg.hf_config)
-        return Scheduler(self._new_block_manager(), cfg.max_num_seqs, budget, eos_token_ids(cfg.hf_config),
-                         cfg.hf_config.max_position_embeddings)
+        return Scheduler(self._new_block_manager(), cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                         eos_token_ids(cfg.hf_config), cfg.hf_config.max_position_embeddings)
 
     def _new_block_manager(self):
         """An empty block manager (``Parts.block_manager``) over ``runner.num_blocks`` blocks."""
@@ -163,22 +162,25 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """One step of the engine: schedule a batch, run it through this rank's model, postprocess the tokens
         it sampled. Returns the sequences that finished (the runner forgets their cache slots). Under pipeline
-        parallelism (p stages) a step is one tick: virtual engine ``tick mod p`` schedules its next batch, this
-        rank's stage runs the batch that reached it, and the batch that the last stage finished is postprocessed
-        (``PipelineLoop``)."""
-        if self.pipeline is None:
-            batch = self.scheduler.schedule() if self.scheduler.has_work() else []     # 1. schedule
-            self._check_progress(idle=not batch)
-            if not batch:
-                if self.lockstep:  # an MoE model's DP ranks step together: join the experts' exchanges, no tokens
-                    self.model.dummy_forward()
-                return []
-            tokens = self.runner.step(batch)                                            # 2. run
-            self.num_steps += 1
-            finished = self.scheduler.postprocess(batch, tokens)                        # 3. postprocess
-            self.runner.forget(finished)
-            return finished
+        parallelism a step is one tick instead (``_pipeline_tick``)."""
+        if self.pipeline is not None:
+            return self._pipeline_tick()
+        batch = self.scheduler.schedule() if self.scheduler.has_work() else []         # 1. schedule
+        self._check_progress(idle=not batch)
+        if not batch:
+            if self.lockstep:      # an MoE model's DP ranks step together: join the experts' exchanges, no tokens
+                self.model.dummy_forward()
+            return []
+        tokens = self.runner.step(batch)                                                # 2. run
+        self.num_steps += 1
+        finished = self.scheduler.postprocess(batch, tokens)                            # 3. postprocess
+        self.runner.forget(finished)
+        return finished
 
+    def _pipeline_tick(self) -> list[Sequence]:
+        """A step under pipeline parallelism (p stages), one tick: virtual engine ``tick mod p`` schedules its next
+        batch, this rank's stage runs the batch that reached it, and the batch that the last stage finished is
+        postprocessed (``PipelineLoop``). Returns the sequences that finished."""
         v = self.pipeline.to_schedule()                    # tick mod p; None while its last batch is in flight
         ready = v is not None and self.schedulers[v].has_work()
         batch = self.schedulers[v].schedule() if ready else []                          # 1. schedule

@@ -5,11 +5,11 @@ Each step allocates and frees the same activations again and again. By default g
 block larger than any freed so far (128 KiB at first, up to 32 MiB) with a fresh ``mmap`` and returns it
 with ``munmap`` when freed, and it hands the free top of the heap back to the kernel beyond twice that
 threshold. A decode step's KV gathers grow with the context, so they keep outgrowing the threshold: the next
-step's tensors land on new pages, and the kernel zero-fills each 4 KiB page on first touch: a 16-sequence decode
-step's KV gathers ran several times slower than copying the same bytes from memory already mapped
-(docs/performance-journal.md). vLLM's CPU backend has the same problem and recommends preloading
-tcmalloc; raising glibc's two thresholds (``mallopt``) does the same job without another library.
-The cost: memory freed after a peak (a long prefill) stays in the process for the next one.
+step's tensors land on new pages, and the kernel zero-fills each 4 KiB page on first touch, which makes those
+gathers slower than copying the same bytes into memory already mapped (measured: docs/performance-journal.md).
+vLLM's CPU backend has the same problem and recommends preloading tcmalloc; raising glibc's two thresholds
+(``mallopt``) does the same job without another library. The cost: memory freed after a peak (a long
+prefill) stays in the process for the next one.
 """
 import ctypes
 import ctypes.util

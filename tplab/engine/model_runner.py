@@ -15,7 +15,7 @@ import torch
 
 from tplab.engine.sampling import sample
 from tplab.engine.sequence import Sequence
-from tplab.layers.attention import AttendsDecodesTogether
+from tplab.layers.attend_method import AttendsDecodesTogether
 from tplab.layers.metadata import MetadataBuilder
 
 

@@ -4,7 +4,8 @@ An engine is built from a ``Parts``: its fields, below, are every replaceable pi
 functions its model is made of, how a layer multiplies, the checkpoint loader, the block manager, the pipeline
 stage, the experts and their exchange, ...). ``resolve(bugs, parts)`` starts from tplab's own, swaps in the named
 pitfalls (``LLM(bugs=[...])``, found by name in the catalogue ``tplab/__init__.py`` hands it) and a learner's own
-parts (``LLM(parts={...})``), and refuses two replacements of the same field. The experts' exchange under data
+parts (``LLM(parts={...})``), and refuses two replacements of the same field; ``for_device`` then puts tplab's own
+kernel part back where a replacement says it cannot run on this device or dtype. The experts' exchange under data
 parallelism (``moe_dispatch``, ``moe_combine``) is called by the experts, so a replaced one is handed to the
 ``experts`` class here, as its ``dispatch=`` / ``combine=``. It runs once, in the process that creates the
 ``LLM``; the resolved ``Parts`` travels to every rank inside the ``EngineConfig``, and nothing in the engine asks
@@ -12,8 +13,11 @@ which bug is on.
 """
 import dataclasses
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from tplab.engine.block_manager import BlockManager
 from tplab.engine.model_runner import token_positions
@@ -62,7 +66,7 @@ class Parts:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Parts))
-CLASSES = {f.name: f.type is type for f in dataclasses.fields(Parts)}     # field -> whether the engine builds it
+BUILT_BY_ENGINE = {f.name: f.type is type for f in dataclasses.fields(Parts)}  # field -> whether the engine builds it
 # Where ``LLM(bugs=[...])`` finds the pitfalls by name. The catalogue (``tplab.bugs``) is on the teaching side,
 # which the engine never imports: the package's root module hands the engine a function that loads it
 # (``provide_bugs``), called only when a bug is asked for, so an engine built without bugs never loads it.
@@ -115,7 +119,7 @@ def resolve(bugs=(), parts=None) -> Parts:
     if wrong:
         raise ValueError(f"parts has unknown field(s) {wrong}; the fields of tplab.Parts are {list(FIELDS)}")
     for field, replacement in mine.items():
-        if CLASSES[field] and not _builds(replacement):
+        if BUILT_BY_ENGINE[field] and not _builds(replacement):
             given = (f"the function {_describe(replacement)}" if hasattr(replacement, "__qualname__")
                      else f"an instance of {_describe(replacement)}")
             raise ValueError(f"parts[{field!r}]: pass the class itself (as tplab's "
@@ -140,6 +144,7 @@ def _swaps(names, catalogue: dict, mine: dict) -> list[tuple[str, str, object]]:
 # The fields an engine uses only under some settings. A bug or a part that replaces one in an engine without its
 # setting changes nothing: HF's tokens would then call a pitfall harmless, or a learner's part right, unseen.
 USED_ONLY_WITH = {"sp_norm_region": "sequence_parallel=True at tensor_parallel_size > 1",
+                  "pipeline_stage": "pipeline_parallel_size > 1 (one stage holds every layer and sends nothing)",
                   "static_decode": "decode steps at fixed shapes (static_decode=True, or CUDA graphs on a GPU)",
                   "experts": "a mixture-of-experts checkpoint",
                   "moe_dispatch": "a mixture-of-experts checkpoint at data_parallel_size > 1",
@@ -171,3 +176,26 @@ def _hand_exchange(parts: Parts) -> Parts:
                          f"and combine=); the experts part {_describe(experts)} is not one: replace one or the other")
     return dataclasses.replace(parts, experts=functools.partial(experts, dispatch=parts.moe_dispatch,
                                                                 combine=parts.moe_combine))
+
+
+def for_device(parts: Parts, device, dtype: torch.dtype, head_dim: int) -> Parts:
+    """``parts``, with tplab's own ``Attention`` / ``Gemm`` / ``FusedMoE`` in place of a kernel part that says it
+    cannot run on ``device`` in ``dtype`` (its ``cannot_run``; one line on stderr says why). Decided once, in the
+    process that creates the ``LLM``, so that every rank builds the same."""
+    device = torch.device(device)
+    asks = {"attention": (Attention, lambda part: part.cannot_run(device, dtype, head_dim)),
+            "gemm": (Gemm, lambda part: part.cannot_run(device, dtype)),
+            "experts": (FusedMoE, lambda part: part.cannot_run(device, dtype))}
+    own = {}
+    for name, (base, cannot_run) in asks.items():
+        part = getattr(parts, name)
+        why = cannot_run(part) if isinstance(part, type) and issubclass(part, base) else None
+        if why is not None:
+            _say_once(f"tplab: {part.__name__} runs as tplab's {base.__name__} here: {why}")
+            own[name] = base
+    return dataclasses.replace(parts, **own) if own else parts
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    print(line, file=sys.stderr)

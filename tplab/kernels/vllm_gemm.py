@@ -6,8 +6,8 @@ backend hands each weight once to its own kernels, shipped compiled in the ``vll
 does: bf16 on a CPU with AMX through a brgemm kernel on VNNI-packed tiles, anything else through a oneDNN
 matmul primitive made once per weight. Which layers pack, and MKL's few-row products on Intel, stay tplab's
 (``Gemm.method_for``); ``pack_weights=False`` multiplies as tplab's ``Gemm``. Where the kernels cannot run,
-``EngineConfig`` puts tplab's ``Gemm`` back and says why (``cannot_run``). Another summation order: greedy
-tokens equal HF's, logprobs within ``tolerance``'s bound (``tests/test_vllm_gemm.py``).
+the engine puts tplab's ``Gemm`` back and says why (``cannot_run``, asked by ``parts.for_device``). Another
+summation order: greedy tokens equal HF's, logprobs within ``tolerance``'s bound (``tests/test_vllm_gemm.py``).
 """
 from dataclasses import dataclass
 

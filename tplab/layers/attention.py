@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tplab.layers.attend_method import AttendsDecodesTogether, AttendsPaddedDecodes
 from tplab.layers.metadata import AttentionMetadata
 
 
@@ -60,7 +61,8 @@ class Attention(nn.Module):
                                                                     # contiguous: the writes land in it)
         k_cache.index_copy_(0, meta.slot_mapping, k)                # store the KV heads, not repeated ones
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        if isinstance(self.attend, AttendsDecodesTogether):         # it takes the whole step
+        if isinstance(self.attend, AttendsDecodesTogether):         # it takes the whole step (tplab's own, which
+                                                                    # hands the prefills back to attend_each)
             return self.attend.attend_step(self, q, kv_cache, meta).flatten(1)
         return self.attend_each(q, kv_cache, meta, range(meta.num_seqs), torch.empty_like(q)).flatten(1)
 
@@ -84,8 +86,9 @@ class Attention(nn.Module):
     @classmethod
     def cannot_run(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         """Why this attention cannot run an engine on ``device`` in ``dtype`` with heads of ``head_dim``, or
-        None. Where it cannot, the engine builds this class, tplab's, instead and says why (``EngineConfig``,
-        before any rank starts). tplab's runs everywhere; a part tied to a kernel says where it does not."""
+        None. Where it cannot, the engine builds this class, tplab's, instead and says why (before any rank
+        starts: ``tplab.engine.parts.for_device``). tplab's runs everywhere; a part tied to a kernel says where
+        it does not."""
         return None
 
     @classmethod
@@ -110,31 +113,3 @@ def cache_shape_of(attention: type, num_blocks: int, block_size: int, num_heads:
     ``(num_blocks, block_size, H_kv, D)``, which any part written to ``Attention``'s contract reads."""
     shape_of = attention.kv_cache_shape if issubclass(attention, Attention) else Attention.kv_cache_shape
     return tuple(shape_of(num_blocks, block_size, num_heads, num_kv_heads, head_dim))
-
-
-# What an ``attend`` may declare, for the engine to hand it more than one sequence at a time
-
-class AttendsDecodesTogether:
-    """An ``attend`` (``Parts.attend``) that takes a whole step, so that it can attend every decode token of
-    it at once over the blocks the decode sequences hold (``meta.decode``, which the engine fills with what its
-    ``decode_inputs`` makes): ``Attention`` hands it the step (``attend_step``) instead of calling it once per
-    sequence, and it hands the sequences it leaves back to ``Attention.attend_each``. A plain function is
-    called once per sequence, every sequence."""
-
-    def attend_step(self, layer: "Attention", q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                    meta: AttentionMetadata) -> torch.Tensor:
-        """q ``(T, H, D)``; ``kv_cache`` the layer's, this step's K/V already written -> ``(T, H, D)``."""
-        raise NotImplementedError
-
-    def decode_inputs(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                      block_size: int, device) -> object:
-        """What ``attend_step`` reads from ``meta.decode`` (None: nothing). The engine calls it once a step, before
-        the forward: on a GPU, a tensor made from host data inside the forward makes the host wait for the queued
-        kernels."""
-        return None
-
-
-class AttendsPaddedDecodes(AttendsDecodesTogether):
-    """An ``attend`` whose ``attend_step`` also takes a decode step at fixed shapes: ``meta.decode`` a
-    ``PaddedDecode`` (``tplab.kernels.decode_blocks``), every row one decode query (the step a CUDA graph
-    replays, ``tplab.engine.static_decode``)."""

@@ -19,9 +19,8 @@ class LinearBase(nn.Module, UsesLinearMethod):
     """A ``(out_local, in_local)`` weight (and optional ``out_local`` bias) with a ``weight_loader``.
 
     ``forward`` multiplies through ``self.linear_method`` (``tplab.layers.linear_method``): plain ``F.linear``
-    until the engine hands the layer the method ``Parts.gemm`` chose, which may take the weight over: ``weight``
-    then stays a parameter of the same shape and dtype on the ``meta`` device, and its values are read no more
-    (docs/api.md)."""
+    unless the engine hands the layer a faster one (``Parts.gemm``; what that does to the weight:
+    ``tplab.kernels.gemm``)."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank=None, tp_size=None):
         super().__init__()

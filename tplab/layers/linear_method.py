@@ -44,8 +44,9 @@ class UsesProducts:
 def hand_out_linear_methods(model: nn.Module, gemm) -> int:
     """After loading: give every ``UsesLinearMethod`` and ``UsesProducts`` layer of ``model`` its own
     ``gemm.method_for(name)`` (``gemm``: ``Parts.gemm``, chosen for this machine; ``name``: its module name,
-    vLLM's ``prefix``, e.g. ``model.layers.0.mlp.down_proj``), and let each linear layer's method process its
-    weight (``process_weights_after_loading``). Returns how many of them multiply by a copy of their own."""
+    vLLM's ``prefix``, e.g. ``model.layers.0.mlp.down_proj``), and ask each linear layer's method whether it will
+    multiply by a copy of the weight of its own (``process_weights_after_loading``; tplab's packs it at the layer's
+    first product). Returns how many of them will."""
     taken = 0
     for name, module in model.named_modules():
         if isinstance(module, UsesLinearMethod):
