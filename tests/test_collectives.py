@@ -88,6 +88,27 @@ def test_shared_memory_collectives_match_gloo(tp):
         assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(tp)], -1))
 
 
+def _shm_where():
+    """In a rank: whether shared memory applies here, on an Arm machine, and where there is no /dev/shm (a Mac)."""
+    import os
+    import platform
+    from unittest import mock
+    from tplab.distributed.shm_comm import shm_applies
+    here = shm_applies()
+    with mock.patch.object(platform, "machine", lambda: "arm64"):
+        arm = shm_applies()
+    isdir = os.path.isdir
+    with mock.patch.object(os.path, "isdir", lambda p: p != "/dev/shm" and isdir(p)):
+        no_dev_shm = shm_applies()
+    return here, arm, no_dev_shm
+
+
+def test_shared_memory_applies_on_x86_linux_only():
+    """Its waits rely on x86's store ordering and its segment lives in /dev/shm: an Arm machine or a Mac takes
+    gloo (before, an Intel Mac would have failed to open its segment)."""
+    assert launch(_shm_where, 2, timeout=120) == [(True, False, False)] * 2
+
+
 def _mismatched_call(case):
     """Rank 1 calls something other than rank 0 at the same step, through shared memory; then both go on."""
     import torch.distributed as dist

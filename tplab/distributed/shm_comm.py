@@ -201,13 +201,14 @@ class ShmComm:
 
 
 def shm_applies(group=None) -> bool:
-    """Shared memory needs gloo ranks that all live on this machine, and x86's store ordering: every rank of
+    """Shared memory needs gloo ranks that all live on this machine, Linux's ``/dev/shm``, and x86's store
+    ordering (so not an Arm Mac, nor an Intel one): every rank of
     ``group`` (default: the world) among this node's ranks, which torchrun (and ``tplab.launch``) number
     contiguously: ``RANK - LOCAL_RANK`` and the next ``LOCAL_WORLD_SIZE - 1``. So under pipeline parallelism
     over two machines each stage's TP group still uses it. ``TPLAB_SHM_COMM=0`` turns it off (the benchmarks
     compare both paths)."""
     if (os.environ.get("TPLAB_SHM_COMM", "1") == "0" or dist.get_backend() != "gloo"
-            or platform.machine() not in ("x86_64", "AMD64")):
+            or platform.machine() not in ("x86_64", "AMD64") or not os.path.isdir("/dev/shm")):
         return False
     local_size, local_rank = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("LOCAL_RANK")
     if local_size is None or local_rank is None:
