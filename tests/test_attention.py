@@ -93,7 +93,8 @@ def test_attention_writes_kv_heads_and_attends_each_sequence_to_its_own_keys(att
         torch.testing.assert_close(out[rows].view(-1, H, D), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("lens", [[1, 9, 30, 4, 13], [30], [5], [1]], ids=["five", "one-30", "one-5", "one-1"])
+@pytest.mark.parametrize("lens", [[1, 9, 30, 4, 13], [32], [30], [5], [1]],
+                         ids=["five", "one-32", "one-30", "one-5", "one-1"])      # with blocks of 4: one full last block
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode", [paged_decode, dense_decode], ids=["paged", "dense"])
 def test_paged_decode_equals_one_sequence_at_a_time(decode, dtype, lens, monkeypatch):
@@ -141,7 +142,7 @@ def test_the_gpus_decode_path_gives_hf_greedy_tokens_inside_the_engine(checkpoin
         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(checkpoint("gqa"), parts={"attend": _DenseAttend()}) as llm:
         outputs = llm.generate(prompts, greedy) + llm.generate([prompts[0]], greedy)
-    for prompt, out in zip(prompts + [prompts[0]], outputs):
+    for prompt, out in zip(prompts + [prompts[0]], outputs, strict=True):
         ref = hf_greedy(hf_model(checkpoint("gqa")), prompt, greedy.max_tokens)
         assert out.token_ids == ref[0]
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound

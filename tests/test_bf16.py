@@ -87,3 +87,36 @@ def test_compiled_bf16_parts_from_hf_bf16_only_at_near_ties(hf_bf16_reference):
         assert parts == NEW or gap[parts] <= bound, (
             f"{story!r}: token {parts} differs from HF bf16's where HF's pick led by {gap[parts]:.3f} "
             f"(more than the bf16 bound {bound:.3f}): not a near-tie")
+
+
+def test_the_norm_and_the_rotation_are_hfs_bit_for_bit_in_bf16():
+    """The bound above is loose enough that a norm computing its statistics in bf16 (HF's are fp32), or a
+    rotation in fp32 (HF's is in the activations' dtype), still passes it: one story parts only at a near-tie.
+    So the two elementwise pieces where a dtype is chosen are held to HF's bit for bit, and each mistake
+    shown to differ."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEmbedding, apply_rotary_pos_emb
+    from tplab.layers.norm import RMSNorm
+    from tplab.layers.rotary import RotaryEmbedding, rotate_half
+    torch.manual_seed(0)
+    x, weight = (3 * torch.randn(7, 256)).to(torch.bfloat16), torch.rand(256) + 0.5
+    ours, hf = RMSNorm(256, 1e-6), Qwen2RMSNorm(256, eps=1e-6)
+    for norm in (ours, hf):
+        norm.weight.data.copy_(weight)
+        norm.to(torch.bfloat16)
+    assert torch.equal(ours(x), hf(x))
+    stats_in_bf16 = ours.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert not torch.equal(stats_in_bf16, hf(x))
+
+    config = Qwen2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    positions = torch.tensor([0, 1, 2, 3, 100, 101, 300, 511, 7])
+    q, k = (torch.randn(9, heads, 64).to(torch.bfloat16) for heads in (4, 2))
+    rope = RotaryEmbedding(64, 512, 10000.0)
+    mine = rope(positions, q, k)
+    as_hf = lambda t: t.transpose(0, 1).unsqueeze(0)                        # noqa: E731  (T, H, D) -> (1, H, T, D)
+    cos, sin = Qwen2RotaryEmbedding(config)(as_hf(q), positions.unsqueeze(0))
+    theirs = [t[0].transpose(0, 1) for t in apply_rotary_pos_emb(as_hf(q), as_hf(k), cos, sin)]
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    cos32, sin32 = (t[positions][:, None] for t in (rope.cos_cached, rope.sin_cached))
+    in_fp32 = (q.float() * cos32 + rotate_half(q.float()) * sin32).to(torch.bfloat16)
+    assert not torch.equal(in_fp32, theirs[0])

@@ -21,7 +21,9 @@ def llm(checkpoint):
     (8, r"8 query heads|4 query heads are not divisible by 8"),
     (0, r"tensor_parallel_size must be >= 1"),
 ])
-def test_bad_tp_size_is_refused_before_any_rank_starts(checkpoint, tp, msg):
+def test_bad_tp_size_is_refused_before_any_rank_starts(checkpoint, tp, msg, monkeypatch):
+    import tplab.engine.llm as llm_module
+    monkeypatch.setattr(llm_module, "RankGroup", lambda *a, **k: pytest.fail("ranks started for a TP size refused"))
     with pytest.raises(ValueError, match=msg):
         LLM(checkpoint("gqa"), tensor_parallel_size=tp)
 

@@ -26,11 +26,11 @@ def hf_reference(checkpoint, hf_model):
 def test_greedy_tokens_and_logprobs_match_hf(name, tp, checkpoint, hf_reference):
     with LLM(checkpoint(name), tensor_parallel_size=tp) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    for prompt, out, ref in zip(PROMPTS, outs, hf_reference(name)):
+    for prompt, out, ref in zip(PROMPTS, outs, hf_reference(name), strict=True):
         ref_tokens, ref_logprobs = ref
         assert out.prompt_token_ids == prompt
         assert out.token_ids == ref_tokens, f"{name} tp{tp}: tokens differ from HF for prompt {prompt[:5]}..."
-        worst = max(abs(a - b) for a, b in zip(out.logprobs, ref_logprobs))
+        worst = max(abs(a - b) for a, b in zip(out.logprobs, ref_logprobs, strict=True))
         assert worst <= ref.bound, f"{name} tp{tp}: logprob off by {worst:.2e}, bound {ref.bound:.2e}"
     distinct = {t for tokens, _ in hf_reference(name) for t in tokens}
     assert len(distinct) >= 8, f"HF's own output uses only {len(distinct)} token ids: too weak a reference"

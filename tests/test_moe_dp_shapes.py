@@ -44,9 +44,9 @@ def test_an_unseen_shape_equals_hf_token_for_token(name, layout, shape):
     folder, prompts, refs = shape(name)
     with LLM(folder, enable_expert_parallel=True, max_num_batched_tokens=16, **LAYOUTS[layout]) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-    for out, prompt, ref in zip(outs, prompts, refs):
+    for out, prompt, ref in zip(outs, prompts, refs, strict=True):
         assert out.prompt_token_ids == prompt
         assert out.token_ids == ref[0], f"{name} {layout}: tokens differ from HF for a prompt of {len(prompt)} tokens"
-        worst = max(abs(a - b) for a, b in zip(out.logprobs, ref[1]))
+        worst = max(abs(a - b) for a, b in zip(out.logprobs, ref[1], strict=True))
         assert worst <= ref.bound, f"{name} {layout}: logprob off by {worst:.2e}, bound {ref.bound:.2e}"
     assert len({t for tokens, _ in refs for t in tokens}) >= 8, "HF's own output is too weak a reference"

@@ -261,9 +261,9 @@ def test_an_engine_with_mkl_for_few_rows_matches_hf_alone_and_batched(checkpoint
         outs += llm.generate(prompts, params)
     layers = llm.config.hf_config.num_hidden_layers
     assert alone >= 9 * (3 * layers + 1), alone               # 9 decode steps x (qkv, o, down a layer; the head)
-    for out, ref in zip(outs, refs[:1] + refs):
+    for out, ref in zip(outs, refs[:1] + refs, strict=True):
         assert out.token_ids == ref[0]
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1], strict=True)) <= ref.bound
 
 
 @needs_packing
@@ -289,7 +289,7 @@ def test_an_engine_of_one_sequence_keeps_plain_fp32_weights_on_amd_and_matches_h
         with LLM(checkpoint("gqa"), max_num_seqs=seqs) as llm:        # TP 1 runs in this process: the vendor holds
             outs = llm.generate(prompts, params)
         assert chosen[-1].onednn and chosen[-1].pack == packs, (seqs, chosen[-1])
-        for prompt, out in zip(prompts, outs):
+        for prompt, out in zip(prompts, outs, strict=True):
             ref = hf_greedy(hf_model(checkpoint("gqa")), prompt, 10)
             assert out.token_ids == ref[0], seqs
             assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound

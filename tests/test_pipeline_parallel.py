@@ -43,9 +43,9 @@ def test_pipeline_matches_hf(deep, hf_model, tp, pp, sp):
              num_kv_blocks=12 * pp, **ENGINE) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
         stats, timeline = llm.stats(), llm.pipeline_timeline()
-    for prompt, out, ref in zip(PROMPTS, outs, refs):
+    for prompt, out, ref in zip(PROMPTS, outs, refs, strict=True):
         assert out.token_ids == ref[0], f"tp{tp} pp{pp}: tokens differ from HF for prompt {prompt[:5]}..."
-        worst = max(abs(a - b) for a, b in zip(out.logprobs, ref[1]))
+        worst = max(abs(a - b) for a, b in zip(out.logprobs, ref[1], strict=True))
         assert worst <= ref.bound, f"tp{tp} pp{pp}: logprob off by {worst:.2e}, bound {ref.bound:.2e}"
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_blocks"] > 0
     # every stage runs every batch, each of virtual engine (tick - stage) mod p, one tick after the stage before
@@ -127,6 +127,7 @@ def test_pp_residual_not_sent_is_exact_on_stage_0_and_wrong_from_the_first_layer
         stages = launch(_stage_activations, 2, args=(str(deep), bugs))
         rows = [golden.compare({n: ref[n] for n in mine}, mine) for mine in stages]
         assert [golden.first_divergence(r) for r in rows] == want, bugs
+        assert {r.name for r in rows[0]} >= {"model.embed_tokens", "model.layers.0.self_attn", "model.layers.1"}
         assert {r.name for r in rows[1]} >= {"model.layers.3.self_attn", "model.layers.4", "model.norm"}
 
 
@@ -134,7 +135,7 @@ def test_pp_residual_not_sent_diverges_from_hf(deep, hf_model):
     want = [hf_greedy(hf_model(deep), p, MAX_TOKENS)[0] for p in PROMPTS[:3]]
     with LLM(deep, pipeline_parallel_size=2, bugs=["pp_residual_not_sent"], num_kv_blocks=32, **ENGINE) as llm:
         got = [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
-    assert all(g != w for g, w in zip(got, want))                    # no prompt's continuation is HF's
+    assert all(g != w for g, w in zip(got, want, strict=True))                    # no prompt's continuation is HF's
     # nothing crosses at PP 1, where the bug would look harmless: refused, with the setting it needs
     with pytest.raises(ValueError, match=r"bug 'pp_residual_not_sent' replaces Parts.pipeline_stage, which this "
                                          r"engine never uses: it runs only with pipeline_parallel_size > 1"):

@@ -17,7 +17,7 @@ def test_qwen25_05b_shape_tp2_matches_hf(tmp_path, hf_model):
         assert [info["param_bytes"] for info in llm.rank_info][0] < 0.6 * 494e6 * 4   # each rank: its half
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     model = hf_model(folder)
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         ref = hf_greedy(model, prompt, 6)
         assert out.token_ids == ref[0]
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1], strict=True)) <= ref.bound

@@ -38,9 +38,9 @@ def reference(head64, prompts, hf_model):
 
 
 def assert_within_hf(outputs, reference):
-    for out, ref in zip(outputs, reference):
+    for out, ref in zip(outputs, reference, strict=True):
         assert out.token_ids == ref[0]
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1], strict=True)) <= ref.bound
 
 
 @needs_vllm_kernels
@@ -65,7 +65,7 @@ def test_the_kernel_runs_in_the_engine_and_its_cache_is_its_own(head64, prompts)
         ours = llm.generate(prompts, GREEDY)
     with LLM(str(head64)) as llm:
         base = llm.generate(prompts, GREEDY)
-    for a, b in zip(ours, base):
+    for a, b in zip(ours, base, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 

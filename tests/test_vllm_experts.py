@@ -42,10 +42,10 @@ def reference(moe, hf_model):
 
 
 def assert_matches_hf(outs, reference, what):
-    for out, ref in zip(outs, reference):
+    for out, ref in zip(outs, reference, strict=True):
         tokens, logprobs = ref
         assert out.token_ids == tokens, f"{what}: tokens differ from HF's"
-        worst = max(abs(a - b) for a, b in zip(out.logprobs, logprobs))
+        worst = max(abs(a - b) for a, b in zip(out.logprobs, logprobs, strict=True))
         assert worst <= ref.bound, f"{what}: logprob off by {worst:.2e}, bound {ref.bound:.2e}"
 
 

@@ -53,9 +53,9 @@ def test_fp32_equals_hf(gqa, prompts, reference, tp):
     with LLM(gqa, parts=PART, tensor_parallel_size=tp) as llm:
         together = llm.generate(prompts, GREEDY)
         alone = llm.generate(prompts[-1:], GREEDY)
-    for out, ref in zip(together + alone, reference + reference[-1:]):
+    for out, ref in zip(together + alone, reference + reference[-1:], strict=True):
         assert out.token_ids == ref[0]
-        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1], strict=True)) <= ref.bound
 
 
 @needs_vllm_kernels

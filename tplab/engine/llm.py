@@ -132,7 +132,7 @@ class LLM:
             answers = self._call_all(Worker.generate, token_lists, params, use_tqdm, shares)
             results = in_prompt_order(self._dp_firsts(answers), shares)
         return [RequestOutput(text, prompt_ids, ids, self._decode(ids), lps, reason)
-                for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results)]
+                for text, prompt_ids, (ids, lps, reason) in zip(texts, token_lists, results, strict=True)]
 
     def chat_prompt(self, messages, system: str | None = None) -> str:
         """A prompt in the checkpoint's chat template: ``messages`` is the user's text, or a list of
