@@ -36,12 +36,14 @@ needs_vllm_kernels = pytest.mark.skipif(load_kernel() is not None, reason=f"vLLM
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
-    """``checkpoint(name)`` -> folder of the random Qwen2 checkpoint ``CONFIGS[name]`` (written once)."""
+    """``checkpoint(name)`` -> folder of the random Qwen2 checkpoint ``CONFIGS[name]`` (written once, its weights
+    seeded by its name's place in ``CONFIGS``: the same in every worker, whichever test asks first)."""
     made = {}
 
     def make(name):
         if name not in made:
-            made[name] = models.save_random_qwen2(tmp_path_factory.mktemp(name), seed=len(made), **CONFIGS[name])
+            made[name] = models.save_random_qwen2(tmp_path_factory.mktemp(name), seed=list(CONFIGS).index(name),
+                                                  **CONFIGS[name])
         return made[name]
     return make
 
