@@ -93,8 +93,8 @@ def test_attention_writes_kv_heads_and_attends_each_sequence_to_its_own_keys(att
         torch.testing.assert_close(out[rows].view(-1, H, D), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("lens", [[1, 9, 30, 4, 13], [32], [30], [5], [1]],
-                         ids=["five", "one-32", "one-30", "one-5", "one-1"])      # with blocks of 4: one full last block
+@pytest.mark.parametrize("lens", [[1, 9, 30, 4, 13], [32], [30], [5], [1]],      # blocks of 4: 32 fills its last
+                         ids=["five", "one-32", "one-30", "one-5", "one-1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("decode", [paged_decode, dense_decode], ids=["paged", "dense"])
 def test_paged_decode_equals_one_sequence_at_a_time(decode, dtype, lens, monkeypatch):
