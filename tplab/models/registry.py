@@ -106,6 +106,9 @@ def check_tp_size(config, tp_size: int, enable_expert_parallel: bool = False) ->
                                *cls.tp_split_sizes(config, False).values())
         if tp_size in plain:
             sizes = f"{sizes}; or drop enable_expert_parallel (each expert is then split over the {tp_size} ranks)"
+    elif has_experts(config) and tp_size in valid_tp_sizes(config.num_attention_heads, config.num_key_value_heads,
+                                                           *cls.tp_split_sizes(config, True).values()):
+        sizes = f"{sizes}; or enable_expert_parallel=True (whole experts on each rank: none is split)"
     raise ValueError(f"tensor_parallel_size={tp_size} does not work: {why}. TP sizes that work: {sizes}")
 
 
