@@ -17,6 +17,8 @@ def test_the_bench_table_shows_every_row_of_the_newest_run_with_the_way_it_shoul
     rows = workbook._bench_rows(json.loads(newest.read_text()))
     assert lines[0].startswith("measured on ") and lines[2].startswith("measurement")
     assert len(lines) == 3 + len(rows) and len(rows) > 10, lines
+    for line, row in zip(lines[3:], rows, strict=True):                 # each row's name and ratio, in order
+        assert line.startswith(row["name"].strip()[:58]) and f"| {row['ratio']:6.3g} |" in line, (line, row)
     assert workbook._better({"unit": "tok/s"}) == "higher" and workbook._better({"unit": "MiB"}) == "lower"
     assert workbook._better({"unit": "MiB", "target": ">= 1.0"}) == "higher"
 
