@@ -134,8 +134,8 @@ def test_the_split_is_checked_before_any_rank_starts(tmp_path, no_new_children):
         LLM(six, tensor_parallel_size=4, enable_expert_parallel=True)
     assert engine_config(six, tensor_parallel_size=4).tensor_parallel_size == 4   # each expert split: 32 / 4
     odd = models.save_random_qwen2_moe(tmp_path / "odd", moe_intermediate_size=30)
-    with pytest.raises(ValueError, match=r"moe_intermediate_size 30 is not divisible by 4. TP sizes that work: \[1, 2\]; "
-                                         r"or enable_expert_parallel=True \(whole experts on each rank"):
+    with pytest.raises(ValueError, match=r"moe_intermediate_size 30 is not divisible by 4. TP sizes that work: "
+                                         r"\[1, 2\]; or enable_expert_parallel=True \(whole experts on each rank"):
         LLM(odd, tensor_parallel_size=4)
     assert engine_config(odd, tensor_parallel_size=4, enable_expert_parallel=True).enable_expert_parallel
     with pytest.raises(ValueError, match="enable_expert_parallel must be True or False"):

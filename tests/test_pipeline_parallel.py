@@ -135,7 +135,7 @@ def test_pp_residual_not_sent_diverges_from_hf(deep, hf_model):
     want = [hf_greedy(hf_model(deep), p, MAX_TOKENS)[0] for p in PROMPTS[:3]]
     with LLM(deep, pipeline_parallel_size=2, bugs=["pp_residual_not_sent"], num_kv_blocks=32, **ENGINE) as llm:
         got = [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
-    assert all(g != w for g, w in zip(got, want, strict=True))                    # no prompt's continuation is HF's
+    assert all(g != w for g, w in zip(got, want, strict=True))       # no prompt's continuation is HF's
     # nothing crosses at PP 1, where the bug would look harmless: refused, with the setting it needs
     with pytest.raises(ValueError, match=r"bug 'pp_residual_not_sent' replaces Parts.pipeline_stage, which this "
                                          r"engine never uses: it runs only with pipeline_parallel_size > 1"):
