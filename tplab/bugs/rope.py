@@ -22,7 +22,8 @@ def rope_layout_apply(q, k, cos, sin):
 
     Review notes: "rotary_emb returns cos/sin, you assume [B, S, D] and that it broadcasts ... relying on
     broadcasting happening to line up produces silent errors" (靠"广播刚好对上"会产生 silent 错误).
-    Here the shapes do line up: cos/sin ``(T, 1, D)`` broadcast over q ``(T, H, D)`` for every batch.
+    They warned about shapes; this layout of D is not in them. Here the shapes do line up: cos/sin
+    ``(T, 1, D)`` broadcast over q ``(T, H, D)`` for every batch.
     The layout of D does not: HF's table is ``cat(freqs, freqs)``, which pairs x_i with x_{i + D/2}
     (``rotate_half``, GPT-NeoX style); this is the GPT-J / Meta LLaMA rotation, written for a table
     of repeated pairs ``(f0, f0, f1, f1, ...)``. Position 0 (cos 1, sin 0) still comes out right,
