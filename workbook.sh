@@ -100,7 +100,7 @@ case "$cmd" in
   test-gpu)
           # tplab on CUDA against HF on the same GPU, NCCL groups, the KV cache from free GPU memory (marker gpu).
           # Without CUDA every test is skipped and the reason printed (-rs); the command still succeeds.
-          setup pytest; exec "$PY" -m pytest -m gpu -rs tests/test_gpu.py tests/test_gpu_graphs.py "$@" ;;
+          setup pytest; exec "$PY" -m pytest -m gpu -rs tests/test_gpu_graphs.py tests/test_gpu.py "$@" ;;
   test-browser)
           setup pytest jupyterlab; browser_deps
           exec "$PY" -m pytest -p no:cacheprovider --timeout 600 -v tests/browser/lab_in_chromium.py "$@" ;;

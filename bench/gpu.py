@@ -139,7 +139,8 @@ def measure(runners: dict, one, batch, args, res: dict, clock: Clock, tag: str, 
 
 def host_syncs(run, prompts) -> dict:
     """The operations that made the host wait for the GPU in one decode step of ``prompts`` (CUDA's sync debug
-    mode, "warn"): ``{"file:line": count per step}`` over a 9-token generate less a 1-token one, per step."""
+    mode, "warn"): ``{"file:line": count per step}`` over a 9-token generate less a 1-token one, per step,
+    after one of each: a graph's capture waits for the GPU once, and is not a step's wait."""
     import collections
     import warnings
 
@@ -153,6 +154,7 @@ def host_syncs(run, prompts) -> dict:
                 torch.cuda.set_sync_debug_mode(0)
         return collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
                                    if "synchronizing" in str(w.message))
+    run(prompts, 9), run(prompts, 1)
     many, one = count(9), count(1)
     return {k: (many[k] - one.get(k, 0)) / 8 for k in many if many[k] != one.get(k, 0)}
 
@@ -181,15 +183,17 @@ def profile_table(run, prompts, device) -> str:
     return "\n".join(lines) + "\n"
 
 
-def first_calls(run, one, batch) -> float:
-    """Seconds of the first generates at one row and at several (where compiling happens)."""
+def first_calls(run, one, batch, n: int) -> float:
+    """Seconds of the first generates at one row and at several, of ``n`` tokens and of 1 (the lengths the rates
+    are measured at): where compiling happens, and HF's static cache is sized by the length."""
     t0 = time.perf_counter()
-    run(one, 4), run(batch, 4)
+    run(one, n), run(batch, n), run(one, 1), run(batch, 1)
     return time.perf_counter() - t0
 
 
 def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
-    """Fills ``res``: eager tplab and HF first, then HF's static cache, then tplab compiled, as time allows."""
+    """Fills ``res``: tplab as it comes (CUDA graphs on a GPU), HF and HF's static cache first; then tplab with
+    ``enforce_eager=True``; then tplab compiled, as time allows."""
     from transformers import Qwen2ForCausalLM
 
     from tplab import LLM
@@ -211,25 +215,27 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
         text = "".join(f"=== {k}, {len(batch)} prompts, {name}\n{profile_table(run, batch, dev)}\n"
                        for k, run in runners.items())
         Path(f"{args.profile}-{name}.txt").write_text(text)
-    measure(runners, one, batch, args, res, clock, "eager")
-    save()
-    if args.hf_static and not clock.over:
+    if args.hf_static:
         try:
             static = load_hf()
             static.generation_config.cache_implementation = "static"
             s = hf_runner(static, dev)
-            res["hf_static_first_calls_s"] = first_calls(s, one, batch)
+            res["hf_static_first_calls_s"] = first_calls(s, one, batch, args.new)
             measure({"hf": runners["hf"], "hf_static": s, "tplab": runners["tplab"]}, one, batch, args, res, clock,
-                    "hf_static", fresh=["hf_static"])
+                    "hf_static")
             del static
             save()
         except Exception as e:                          # noqa: BLE001
             res["hf_static_error"] = f"{type(e).__name__}: {e}"[:600]
+    if not clock.over:
+        measured = res.get("tokens", {})                # tokens and peaks once per runner
+        measure(runners, one, batch, args, res, clock, "eager", fresh=[k for k in runners if k not in measured])
+        save()
     if args.compile and not clock.over:
         try:
             compiled = LLM(str(ckpt), dtype=name, device=dev, compile=True, **kv)     # graphs too, on CUDA
             c = tplab_runner(compiled, dev)
-            res["tplab_compiled_first_calls_s"] = first_calls(c, one, batch)
+            res["tplab_compiled_first_calls_s"] = first_calls(c, one, batch, args.new)
             res["tplab_compiled_forwards"] = compiled.stats().get("compiled_forwards")
             measure({"hf": runners["hf"], "tplab": runners["tplab"], "tplab_compiled": c}, one, batch, args, res,
                     clock, "compiled", fresh=["tplab_compiled"])
@@ -262,7 +268,6 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"bench/gpu.py: no CUDA device (torch {torch.__version__}); nothing measured")
         return 0
-    clock = Clock(args.budget)
     result = {"machine": machine_info(), "args": vars(args), "dtypes": {}}
     if args.device == "cuda":
         p = torch.cuda.get_device_properties(0)
@@ -270,6 +275,7 @@ def main(argv=None) -> int:
     settings = Settings.make(args.quick)
     ckpt = checkpoint(settings)
     result["checkpoint"] = settings.name
+    clock = Clock(args.budget)                          # from the checkpoint written: a fresh machine writes it
 
     out = Path(args.out) if args.out else results_path("gpu.json", quick=args.quick or args.device != "cuda")
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One run on a lent GPU machine, under 10 minutes: the CUDA tests (graphs on, off, with compile=True), then
-# bench/gpu.py (bf16 first: the default engine with CUDA graphs, enforce_eager, compile=True, HF eager and HF's
-# static cache). Logs and results go to $OUT (set on a lent machine) or bench/results/<gpu>/.
+# One run on a lent GPU machine, under 10 minutes: the CUDA tests (graphs first: graphs on, off, with
+# compile=True), then bench/graph_parity.py, then bench/gpu.py in bf16 (tplab as it comes, with CUDA graphs,
+# against HF eager and HF's static cache first; then enforce_eager; then compile=True, as time allows).
+# Logs and results go to $OUT (set on a lent machine) or bench/results/<gpu>/.
 #   TPLAB_PYTHON=python3 bench/gpu_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+deadline=$((SECONDS + 540))        # every step's time limit comes out of one budget: what one leaves, the next gets
+left() { echo $((deadline - SECONDS)); }
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
 out=${OUT:-bench/results/${gpu:-gpu}}
 mkdir -p "$out"
@@ -12,6 +15,11 @@ export PYTHONUNBUFFERED=1 TPLAB_PYTHON=${TPLAB_PYTHON:-python3} PYTHONPATH=$PWD$
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 "$TPLAB_PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   >> "$out/gpu.txt"
-timeout 170 ./workbook.sh test-gpu -q 2>&1 | tee "$out/test-gpu.log"
+# what the tests need beyond torch and transformers, and the C++ compiler inductor builds with
+"$TPLAB_PYTHON" -c "import pytest, cloudpickle, psutil, tqdm, safetensors; print('test packages: ok')" >> "$out/gpu.txt" 2>&1
+echo "c++ compiler: $(command -v g++ || command -v c++ || echo none)" >> "$out/gpu.txt"
+timeout 200 ./workbook.sh test-gpu -v 2>&1 | tee "$out/test-gpu.log"
 timeout 90 "$TPLAB_PYTHON" bench/graph_parity.py --out "$out/graph_parity.json" 2>&1 | tee "$out/graph_parity.log"
-timeout 260 "$TPLAB_PYTHON" bench/gpu.py --new 64 --reps 3 --budget 150 --out "$out/gpu.json" 2>&1 | tee "$out/bench.log"
+t=$(left)                          # gpu.py starts no section in its last 100 s (its clock starts after the checkpoint)
+timeout "$t" "$TPLAB_PYTHON" bench/gpu.py --dtypes bfloat16 --new 64 --reps 2 --budget $((t - 100)) \
+  --out "$out/gpu.json" 2>&1 | tee "$out/bench.log"

@@ -110,6 +110,45 @@ def test_stale_buffers_fingerprint(checkpoint, reference):
     assert tokens[2:] != want[2:], "the stale positions and slots left every token unchanged"
 
 
+class ReplayedOnCPU:
+    """Stands in for a CUDA graph where there is none: captured, it runs bucket (n, w)'s step once (as the warm-up
+    does); replayed, it runs the step again from whatever the buffers hold, into the one tensor it returned at
+    capture (a graph's output lives at one address)."""
+
+    def __init__(self, static, n, w):
+        self.step = lambda: static.model(static.views(n, w)["input_ids"], static.kv_caches, static.metadata(n, w))
+        self.hidden = self.step()
+
+    def replay(self):
+        self.hidden.copy_(self.step())
+
+
+@pytest.mark.parametrize("bug", [None, "graph_stale_inputs"])
+def test_graphs_capture_the_largest_bucket_first_and_replay_every_step(checkpoint, reference, bug):
+    """The graphs' control flow on a CPU, with a stand-in for the graph: the largest bucket is captured first, on
+    padding rows alone (its memory pool then serves every smaller bucket), every decode step is a replay of its
+    bucket's graph, and the tokens are HF's; with the stale buffers, the pitfall's fingerprint."""
+    with LLM(checkpoint("gqa"), static_decode=True, device="cpu", max_num_seqs=5, block_size=8, num_kv_blocks=14,
+             max_num_batched_tokens=16, bugs=[bug] if bug else []) as llm:
+        static, captured = llm._worker.engine.runner.static, []
+
+        def capture(n, w):
+            captured.append((n, w))
+            graph = ReplayedOnCPU(static, n, w)
+            return graph, graph.hidden
+        static.use_graphs, static.capture = True, capture
+        outs = llm.generate(PROMPTS if bug is None else PROMPTS[:1], GREEDY)
+    assert captured[0] == (static.batch_sizes[-1], static.widths[-1]) and len(set(captured)) == len(captured) > 1
+    assert static.num_replays == static.num_steps > 0, (static.num_replays, static.num_steps)
+    if bug:
+        assert outs[0].token_ids[:2] == reference[0][0][:2] and outs[0].token_ids[2:] != reference[0][0][2:]
+        return
+    assert len(outs) == len(reference)
+    for out, ref in zip(outs, reference):
+        assert out.token_ids == ref[0]
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+
+
 @pytest.mark.parametrize("settings, names", [
     (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
     (dict(check_finite=True), "check_finite"),

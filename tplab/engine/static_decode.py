@@ -10,7 +10,10 @@ replays must have fixed shapes and read its inputs from tensors that never move:
 - the inputs live in buffers allocated once: token ids, positions, ``slot_mapping``, the block tables
   padded to a width bucket, the context lengths. Every step copies its values into them, then replays
   (from pinned host memory: each copy is queued, and the host does not wait for it);
-- attention reads the padded block tables under a mask of each row's length (``PaddedDecode``).
+- attention reads the padded block tables under a mask of each row's length (``PaddedDecode``);
+- the largest bucket's graph is captured first, as vLLM and nano-vllm capture theirs: every graph shares one
+  memory pool, and a smaller step reuses the larger one's memory, where a larger step after smaller ones would
+  need memory of its own.
 On a CPU the same step runs eagerly, so the code a graph captures is held to HF's tokens on every machine.
 """
 import sys
@@ -42,7 +45,8 @@ class StaticDecode:
     """Runs a rank's decode steps at fixed shapes: ``fits(seqs)``, then ``forward(seqs)`` -> ``(B, E)``.
 
     ``graphs``: capture each (batch, width) bucket as a CUDA graph the first time it runs (after one
-    eager warm-up), and replay it from then on; without, run the padded step eagerly (CPU, or a check).
+    eager warm-up; the largest bucket before the first), and replay it from then on; without, run the
+    padded step eagerly (CPU, or a check).
     ``scratch_block``: a KV block the block manager never hands out, for the padding rows."""
 
     def __init__(self, model, kv_caches, scratch_block: int, positions_of, *, block_size: int, max_num_seqs: int,
@@ -56,7 +60,9 @@ class StaticDecode:
         # where a step's values wait on the host: pinned on a GPU, so that their copies need not wait for it
         pinned = self.device.type == "cuda"
         self.staged = {name: torch.zeros(size, dtype=torch.long, pin_memory=pinned) for name, size in sizes.items()}
+        self.copied = torch.cuda.Event() if pinned else None        # recorded after a step's copies are queued
         self.use_graphs = graphs
+        self.side_stream = None            # where each capture's warm-up runs (one stream, made at the first)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None                   # one memory pool shared by every graph
         self.num_steps = self.num_replays = 0      # steps run here; of them, replayed as graphs
@@ -71,14 +77,14 @@ class StaticDecode:
         """The final hidden states ``(B, E)`` of a decode step of ``seqs`` (one new token each)."""
         n = bucket_of(len(seqs), self.batch_sizes)
         w = bucket_of(max(len(s.block_table) for s in seqs), self.widths)
+        if self.use_graphs and not self.graphs:    # the largest bucket first, on padding rows alone
+            largest = self.batch_sizes[-1], self.widths[-1]
+            self.write(self.step_inputs([], *largest), *largest)
+            self.add_graph(*largest)
         self.copy_inputs(seqs, n, w)
         self.num_steps += 1
         if self.use_graphs and (n, w) not in self.graphs:
-            try:
-                self.graphs[(n, w)] = self.capture(n, w)
-            except RuntimeError as e:              # a kernel that cannot be captured: eager from now on
-                self.use_graphs = False
-                print(f"tplab: decode steps run eagerly: capturing a CUDA graph failed ({e})"[:400], file=sys.stderr)
+            self.add_graph(n, w)
         if not self.use_graphs:
             return self.model(self.views(n, w)["input_ids"], self.kv_caches, self.metadata(n, w))[:len(seqs)]
         graph, hidden = self.graphs[(n, w)]
@@ -86,18 +92,32 @@ class StaticDecode:
         self.num_replays += 1
         return hidden[:len(seqs)]
 
+    def add_graph(self, n: int, w: int) -> None:
+        """Capture bucket (n, w)'s graph from the values in the buffers now; if a kernel cannot be captured,
+        every step runs eagerly from then on."""
+        try:
+            self.graphs[(n, w)] = self.capture(n, w)
+        except RuntimeError as e:
+            self.use_graphs = False
+            print(f"tplab: decode steps run eagerly: capturing a CUDA graph failed ({e})"[:400], file=sys.stderr)
+
     def copy_inputs(self, seqs, n: int, w: int) -> None:
         """Write this step's values into the buffers the step (or its graph) reads, at their fixed addresses."""
         self.write(self.step_inputs(seqs, n, w), n, w)
 
     def write(self, values: dict[str, torch.Tensor], n: int, w: int) -> None:
         """``values`` (host tensors, by buffer name) into bucket (n, w)'s views of the buffers, through the
-        staged host buffers. The host overwrites a staged buffer only at the next step, after this step's
-        sampled tokens came back, so its copy has long been done."""
+        staged host buffers. On a GPU those copies are queued, so the host waits for the last step's copies
+        before it overwrites what they read (done long since, as a rule: the tokens that step sampled came
+        back after them)."""
         views, staged = self.views(n, w), self.views(n, w, self.staged)
+        if self.copied is not None:
+            self.copied.synchronize()
         for name, value in values.items():
             staged[name].copy_(value)
             views[name].copy_(staged[name], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record(torch.cuda.current_stream(self.device))
 
     def views(self, n: int, w: int, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Bucket (n, w)'s views of the buffers (default: the device's), each contiguous: the same tensors every
@@ -136,15 +156,19 @@ class StaticDecode:
         kernel choice before recording; it computes this step's K/V too, the same values the replay writes.
         Each run gets metadata of its own: what the first layer makes for the others (the lengths' mask) is
         then made inside the graph, and each replay makes it again from the buffers, never the warm-up's."""
-        ids = self.views(n, w)["input_ids"]
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        ids, current = self.views(n, w)["input_ids"], torch.cuda.current_stream(self.device)
+        if self.side_stream is None:           # one for every warm-up: each new stream gets its own workspaces
+            self.side_stream = torch.cuda.Stream(self.device)
+        self.side_stream.wait_stream(current)
+        with torch.cuda.stream(self.side_stream):
             self.model(ids, self.kv_caches, self.metadata(n, w))
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        current.wait_stream(self.side_stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(ids, self.kv_caches, self.metadata(n, w))     # (n, E), at the pool's address
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.model(ids, self.kv_caches, self.metadata(n, w))     # (n, E), at the pool's address
+        finally:
+            torch.cuda.set_stream(current)     # a capture that fails to end leaves its own stream current
         self.pool = graph.pool()
         return graph, hidden
 
