@@ -3,6 +3,7 @@
     .venv/bin/python bench/notebook_times.py                  # every notebook, as committed
     .venv/bin/python bench/notebook_times.py --solutions 03   # solution mode (TPLAB_SOLUTIONS=1), notebook 03
     .venv/bin/python bench/notebook_times.py --nbval 01 03    # the exact command the quoted times were taken with
+    .venv/bin/python bench/notebook_times.py --memory 06      # and the peak memory of the kernel and its ranks
 
 The quoted times live in one place, ``bench/notebook_times.json`` (README.md and docs/workshop.md show them,
 ``tests/test_notebook_times.py`` checks that they agree, ``scripts/doctor.py`` scales them to a room's
@@ -50,6 +51,34 @@ def run_nbval(path: Path) -> float:
     return time.perf_counter() - start
 
 
+def with_peak_memory(run, path: Path) -> tuple[float, float]:
+    """``run(path)``'s seconds, and the peak GiB of every process it started (the kernel, its ranks), sampled
+    every 0.2 s: the sum of their proportional set sizes, in which a page that n processes share (forked
+    ranks share most of theirs) counts 1/n in each."""
+    import threading
+
+    import psutil
+    me, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample():
+        while not done.wait(0.2):
+            total = 0
+            for proc in me.children(recursive=True):
+                try:
+                    total += proc.memory_full_info().pss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            peak[0] = max(peak[0], total)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        seconds = run(path)
+    finally:
+        done.set()
+        sampler.join()
+    return seconds, peak[0] / 2**30
+
+
 def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
         if line.startswith("model name"):
@@ -73,6 +102,7 @@ def main(argv=None) -> None:
     parser.add_argument("only", nargs="*", help="notebook number prefixes (00 ... 07); default: every notebook")
     parser.add_argument("--solutions", action="store_true", help="solution mode: TPLAB_SOLUTIONS=1")
     parser.add_argument("--nbval", action="store_true", help="time pytest + nbval per notebook, start included")
+    parser.add_argument("--memory", action="store_true", help="also the peak memory of the kernel and its ranks")
     args = parser.parse_args(argv)
     quoted = claims()["notebooks"]
     names = [n for n in quoted if not args.only or n[:2] in args.only]
@@ -81,7 +111,11 @@ def main(argv=None) -> None:
     load_before = os.getloadavg()
     measured = {}
     for name in names:
-        measured[name] = run(ROOT / "notebooks" / f"{name}.ipynb")
+        if args.memory:
+            measured[name], gib = with_peak_memory(run, ROOT / "notebooks" / f"{name}.ipynb")
+            print(f"{name}: peak memory {gib:.2f} GiB (the kernel and its ranks, proportional set sizes)", flush=True)
+        else:
+            measured[name] = run(ROOT / "notebooks" / f"{name}.ipynb")
         print(f"{name}: {measured[name]:.1f} s", file=sys.stderr, flush=True)
     column = "solutions" if args.solutions else "committed"
     print(f"# {column}, {'pytest + nbval' if args.nbval else 'nbclient, fresh kernel'}; {cpu_model()}, "
