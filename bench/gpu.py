@@ -184,8 +184,7 @@ def profile_table(run, prompts, device) -> str:
 
 
 def first_calls(run, one, batch, n: int) -> float:
-    """Seconds of the first generates at one row and at several, of ``n`` tokens and of 1 (the lengths the rates
-    are measured at): where compiling happens, and HF's static cache is sized by the length."""
+    """Seconds of the first generates, of ``n`` tokens and of 1 (compiling; HF's static cache is sized by them)."""
     t0 = time.perf_counter()
     run(one, n), run(batch, n), run(one, 1), run(batch, 1)
     return time.perf_counter() - t0
@@ -228,8 +227,8 @@ def one_dtype(ckpt, name: str, args, clock: Clock, res: dict, save) -> None:
         except Exception as e:                          # noqa: BLE001
             res["hf_static_error"] = f"{type(e).__name__}: {e}"[:600]
     if not clock.over:
-        measured = res.get("tokens", {})                # tokens and peaks once per runner
-        measure(runners, one, batch, args, res, clock, "eager", fresh=[k for k in runners if k not in measured])
+        fresh = [k for k in runners if k not in res.get("tokens", {})]       # tokens and peaks once per runner
+        measure(runners, one, batch, args, res, clock, "eager", fresh=fresh)
         save()
     if args.compile and not clock.over:
         try:

@@ -6,7 +6,7 @@
 #   TPLAB_PYTHON=python3 bench/gpu_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-deadline=$((SECONDS + 540))        # every step's time limit comes out of one budget: what one leaves, the next gets
+deadline=$((SECONDS + 540))        # the run's time: gpu.py gets what the steps before it leave
 left() { echo $((deadline - SECONDS)); }
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
 out=${OUT:-bench/results/${gpu:-gpu}}

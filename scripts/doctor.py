@@ -29,8 +29,7 @@ _TIMES = json.loads((ROOT / "bench" / "notebook_times.json").read_text())
 REFERENCE_RANKS_SECONDS = _TIMES["ranks_seconds"]
 REFERENCE_NOTEBOOK_SECONDS = {name: t["committed"] for name, t in _TIMES["notebooks"].items()}
 SLOW_SECONDS = 120            # a notebook a room waits on longer than this gets named
-# Notebook 06 at its peak (kernel, HF's model, TP 1/2/4 ranks): 1.25 GiB PSS (`bench/notebook_times.py --memory 06`);
-# the thresholds leave room for JupyterLab, the browser and the system beside it
+# Notebook 06 at its peak, kernel and ranks: 1.25 GiB PSS (bench/notebook_times.py --memory 06); JupyterLab beside it
 NEED_MEMORY, WANT_MEMORY = int(2.5 * GiB), 4 * GiB
 KERNEL_DISPLAY_NAME = "Python 3 (ipykernel)"     # what the notebooks' metadata says; JupyterLab rewrites it otherwise
 
@@ -102,8 +101,7 @@ def check_cores(cores: int) -> Check:
 def check_memory(available: int) -> Check:
     detail = f"{available / GiB:.1f} GiB available"
     if available < NEED_MEMORY:
-        return Check("FAIL", "memory", detail + f"; notebook 06 needs about 1.3 GiB, with JupyterLab beside it "
-                     f"{NEED_MEMORY / GiB:.1f} GiB",
+        return Check("FAIL", "memory", detail + f"; notebook 06 and JupyterLab need {NEED_MEMORY / GiB:.1f} GiB",
                      "close other programs, or give the machine more memory")
     if available < WANT_MEMORY:
         return Check("warn", "memory", detail + "; enough, but close other programs during notebook 06")
