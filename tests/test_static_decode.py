@@ -123,30 +123,53 @@ class ReplayedOnCPU:
         self.hidden.copy_(self.step())
 
 
-@pytest.mark.parametrize("bug", [None, "graph_stale_inputs"])
-def test_graphs_capture_the_largest_bucket_first_and_replay_every_step(checkpoint, reference, bug):
-    """The graphs' control flow on a CPU, with a stand-in for the graph: the largest bucket is captured first, on
-    padding rows alone (its memory pool then serves every smaller bucket), every decode step is a replay of its
-    bucket's graph, and the tokens are HF's; with the stale buffers, the pitfall's fingerprint."""
+def generate_with_graphs_on_cpu(checkpoint, prompts, capture_fails_after=None, bugs=()):
+    """Outputs, the engine's StaticDecode and the buckets captured, with ``ReplayedOnCPU`` for a CUDA graph
+    (preemption and prompt chunks in the run); ``capture_fails_after``: captures that succeed, then one raises."""
     with LLM(checkpoint("gqa"), static_decode=True, device="cpu", max_num_seqs=5, block_size=8, num_kv_blocks=14,
-             max_num_batched_tokens=16, bugs=[bug] if bug else []) as llm:
+             max_num_batched_tokens=16, bugs=list(bugs)) as llm:
         static, captured = llm._worker.engine.runner.static, []
 
         def capture(n, w):
+            if len(captured) == capture_fails_after:
+                raise RuntimeError("operation not permitted when stream is capturing")
             captured.append((n, w))
             graph = ReplayedOnCPU(static, n, w)
             return graph, graph.hidden
         static.use_graphs, static.capture = True, capture
-        outs = llm.generate(PROMPTS if bug is None else PROMPTS[:1], GREEDY)
-    assert captured[0] == (static.batch_sizes[-1], static.widths[-1]) and len(set(captured)) == len(captured) > 1
-    assert static.num_replays == static.num_steps > 0, (static.num_replays, static.num_steps)
-    if bug:
-        assert outs[0].token_ids[:2] == reference[0][0][:2] and outs[0].token_ids[2:] != reference[0][0][2:]
-        return
+        return llm.generate(prompts, GREEDY), static, captured
+
+
+def assert_hf_tokens(outs, reference):
     assert len(outs) == len(reference)
     for out, ref in zip(outs, reference):
         assert out.token_ids == ref[0]
         assert max(abs(a - b) for a, b in zip(out.logprobs, ref[1])) <= ref.bound
+
+
+def test_graphs_capture_the_largest_bucket_first_and_replay_every_step(checkpoint, reference):
+    """The graphs' control flow on a CPU, with a stand-in for the graph: the largest bucket is captured first, on
+    padding rows alone (its memory pool then serves every smaller bucket), every decode step is a replay of its
+    bucket's graph, and the tokens are HF's."""
+    outs, static, captured = generate_with_graphs_on_cpu(checkpoint, PROMPTS)
+    assert captured[0] == (static.batch_sizes[-1], static.widths[-1]) and len(set(captured)) == len(captured) > 1
+    assert static.num_replays == static.num_steps > 0, (static.num_replays, static.num_steps)
+    assert_hf_tokens(outs, reference)
+
+
+def test_stale_buffers_fingerprint_in_replays(checkpoint, reference):
+    outs, static, _ = generate_with_graphs_on_cpu(checkpoint, PROMPTS[:1], bugs=["graph_stale_inputs"])
+    assert static.num_replays == static.num_steps > 2
+    assert outs[0].token_ids[:2] == reference[0][0][:2] and outs[0].token_ids[2:] != reference[0][0][2:]
+
+
+def test_a_capture_that_fails_leaves_every_step_eager(checkpoint, reference, capsys):
+    """A kernel that cannot be captured: the engine says so once, drops the graphs it had, and runs every step
+    eagerly from then on, with HF's tokens."""
+    outs, static, captured = generate_with_graphs_on_cpu(checkpoint, PROMPTS, capture_fails_after=1)
+    assert len(captured) == 1 and not static.use_graphs and not static.graphs and static.num_replays == 0
+    assert capsys.readouterr().err.count("capturing a CUDA graph failed (operation not permitted") == 1
+    assert_hf_tokens(outs, reference)
 
 
 @pytest.mark.parametrize("settings, names", [

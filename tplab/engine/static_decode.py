@@ -99,6 +99,7 @@ class StaticDecode:
             self.graphs[(n, w)] = self.capture(n, w)
         except RuntimeError as e:
             self.use_graphs = False
+            self.graphs.clear()                # their memory back: every step runs eagerly from now on
             print(f"tplab: decode steps run eagerly: capturing a CUDA graph failed ({e})"[:400], file=sys.stderr)
 
     def copy_inputs(self, seqs, n: int, w: int) -> None:
