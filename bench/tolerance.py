@@ -73,13 +73,7 @@ def bug_rows(tiny: Path, untied: Path, ids: list[int]) -> None:
 
 def bf16_rows(tiny: Path, ids: list[int]) -> None:
     from transformers import AutoModelForCausalLM
-
-    from tplab.engine.probe import capture
-    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.bfloat16).eval()
-    names = golden.activation_names(hf.config.num_hidden_layers)[:-1]
-    with torch.no_grad(), capture(hf, outputs_of=names) as (acts, _):
-        logits = hf(torch.tensor([ids])).logits[0]
-    ref = {**acts, "logits": logits}                    # every sublayer's output, as golden's fp32 diff has them
+    ref = golden.hf_activations(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.bfloat16).eval(), ids)
     print(f"\n{'bf16, shipped model':18} {'TP':>3} {'worst, bf16 eps':>16}  where")
     for tp in (1, 2, 4):
         mine = golden.tplab_activations(tiny, ids, tp, dtype="bfloat16")
